@@ -1,0 +1,40 @@
+# Two commands on a fresh machine with Python >= 3.10 and pip:
+#   make pretrain   set up .venv, build the default corpus + tokenizer, train configs/default.yaml offline
+#   make test       set up .venv, run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+NPROC := $(shell nproc 2>/dev/null || echo 1)
+
+.PHONY: setup pretrain smoke test benchmark lint clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+# Offline: the default corpus (Python's standard library source) and tokenizer are built locally.
+pretrain: setup
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/accelerate launch --config_file configs/accelerate/cpu.yaml \
+		recipes/pretrain.py configs/default.yaml --logging.wandb_mode=offline $(ARGS)
+
+smoke: setup
+	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file configs/accelerate/cpu.yaml \
+		recipes/pretrain.py configs/smoke.yaml $(ARGS)
+
+test: setup
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+benchmark: setup
+	$(BIN)/python scripts/benchmark.py configs/default.yaml
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf runs .pytest_cache

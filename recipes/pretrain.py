@@ -1,0 +1,231 @@
+"""Pretrain a transformers causal LM.
+
+    accelerate launch recipes/pretrain.py configs/smoke.yaml [--section.field=value ...]
+
+This file is the training loop, top to bottom; fork it for a new model or objective. The parts it
+calls live in src/lmpretrain/. Per optimizer step: load one global batch, then for each of the
+grad_accum_steps micro-batches forward (autocast) and backward a loss normalised by the number of
+target tokens in the whole global batch; gradients sync on the last micro-batch; unscale, clip,
+step (skipped on fp16 overflow, and then the schedule does not advance); log; evaluate every
+eval.every steps; checkpoint every checkpoint.every steps or when asked to stop.
+"""
+
+import contextlib
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from lmpretrain import runtime
+from lmpretrain.checkpoint import CheckpointError, Checkpointer, check_fingerprint, check_output_dir_writable
+from lmpretrain.config import ConfigError, config_problems, load_config, model_problems, save_config
+from lmpretrain.data import DataError, TrainStream, heldout_blocks
+from lmpretrain.evaluation import evaluate, generate_sample
+from lmpretrain.flops import mfu, peak_flops, train_flops_per_token
+from lmpretrain.loss import causal_lm_loss_sum, count_targets, make_labels
+from lmpretrain.model import build_model, build_model_config, parameter_counts
+from lmpretrain.optim import build_optimizer, build_scheduler, describe_groups
+from lmpretrain.precision import MixedPrecision, PrecisionUnavailableError
+from lmpretrain.preemption import PreemptionHandler
+from lmpretrain.state import TrainState
+from lmpretrain.tokenizer import load_tokenizer
+from lmpretrain.tracking import ConsoleWarnings, Tracker, format_log_line, git_commit, package_versions, wandb_log_with
+
+
+def main(argv: list[str]) -> None:
+    # ---- Config and processes: every problem is reported before any work starts ---------------
+    cfg = load_config(argv)
+    accelerator, info = runtime.setup(cfg.run.threads, cfg.run.seed, wandb_log_with(cfg.logging.wandb_mode))
+    say = accelerator.print
+    say(f"[lmpretrain] {info.describe()}")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model_config = build_model_config(cfg.model)
+    problems = config_problems(cfg, info.world_size) + model_problems(cfg, model_config, tokenizer)
+    if problems:
+        raise ConfigError(problems, source=cfg.config_path)
+    out = Path(cfg.run.output_dir)
+    check_output_dir_writable(out)
+    checkpointer = Checkpointer(out, accelerator, keep_last=cfg.checkpoint.keep_last)
+    resume_from = checkpointer.resolve_resume(cfg.run.resume, cfg.run.overwrite)
+    if accelerator.is_main_process:
+        save_config(cfg, out / "config.yaml")
+
+    # ---- Build: model, optimizer, schedule, precision, data -------------------------------------
+    B, K, W = cfg.train.micro_batch_size, cfg.train.grad_accum_steps, info.world_size
+    global_batch = cfg.global_batch(W)
+    model = build_model(model_config, cfg.model.pretrained, cfg.train.param_dtype)
+    counts = parameter_counts(model)
+    optimizer = build_optimizer(model, cfg.optim)
+    say(f"[lmpretrain] {counts['params_total']:,} parameters; optimizer groups: "
+        f"{describe_groups(optimizer.param_groups)}")
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+    precision = MixedPrecision(cfg.train.precision, accelerator.device, cfg.train.loss_scale_init)
+    model, optimizer = accelerator.prepare(model, optimizer)  # DDP / FSDP / DeepSpeed wrapping
+    train_data = TrainStream(
+        cfg.data.train, tokenizer, seq_len=cfg.data.seq_len, num_streams=cfg.data.num_streams,
+        rows_per_step=global_batch, rank=info.rank, world_size=W, num_workers=cfg.data.num_workers,
+        seed=cfg.run.seed, shuffle=cfg.data.shuffle, shuffle_window=cfg.data.shuffle_window,
+    )
+    eval_blocks = heldout_blocks(
+        cfg.data.eval, tokenizer, seq_len=cfg.data.seq_len, num_blocks=cfg.eval.batches * cfg.eval.batch_size
+    )
+    fingerprint = {
+        **train_data.fingerprint(), "world_size": W,
+        "model": {k: v for k, v in model_config.to_diff_dict().items() if k != "transformers_version"},
+        "micro_batch_size": B, "grad_accum_steps": K, "global_batch": global_batch,
+    }
+
+    # ---- Resume: weights, moments, schedule, scaler, RNG, data position, counters ---------------
+    state = TrainState()
+    if resume_from:
+        data_state, saved = checkpointer.load(resume_from, model=model, optimizer=optimizer)
+        for warning in check_fingerprint(saved["fingerprint"], fingerprint, allow_mismatch=cfg.run.allow_mismatch,
+                                         lr=cfg.optim.lr):
+            say(f"[lmpretrain] WARNING: {warning}")
+        scheduler.load_state_dict(saved["scheduler"])
+        precision.load_state_dict(saved["scaler"])
+        train_data.load_state_dict(data_state)
+        state = TrainState.from_dict(saved)
+        say(f"[lmpretrain] resumed from {resume_from} at step {state.step}")
+
+    flops_per_token = train_flops_per_token(model_config, cfg.data.seq_len)
+    peak, peak_source = peak_flops(accelerator.device, precision.dtype or torch.float32)
+    tracker = Tracker(
+        accelerator, output_dir=out, project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
+        run_name=cfg.run.name or f"{Path(cfg.config_path).stem}-{out.name}",
+        group=cfg.run.group or Path(cfg.config_path).stem,
+        run_config={**cfg.to_dict(), **counts, "packages": package_versions(), "git_commit": git_commit(),
+                    "runtime": vars(info),
+                    "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source},
+        run_id=state.wandb_run_id, resume_step=state.step if resume_from else None,
+    )
+    state.wandb_run_id = tracker.run_id
+    warnings = ConsoleWarnings(say)
+
+    def save_checkpoint():
+        trainer_state = {**state.to_dict(), "scheduler": scheduler.state_dict(), "scaler": precision.state_dict(),
+                         "world_size": W, "config": cfg.to_dict(), "fingerprint": fingerprint}
+        path = checkpointer.save(state.step, model=model, optimizer=optimizer,
+                                 data_state=train_data.state_dict(), trainer_state=trainer_state)
+        say(f"[lmpretrain] saved checkpoint {path}")
+
+    def run_eval():
+        metrics = evaluate(model, eval_blocks, accelerator=accelerator, precision=precision,
+                           batch_size=cfg.eval.batch_size)
+        state.eval_loss = metrics["eval/loss"]
+        if state.best_eval_loss is None or state.eval_loss < state.best_eval_loss:
+            state.best_eval_loss = state.eval_loss
+        if cfg.eval.sample_tokens and accelerator.is_main_process:
+            text = generate_sample(accelerator.unwrap_model(model), tokenizer, cfg.eval.prompt,
+                                   cfg.eval.sample_tokens, accelerator.device)
+            tracker.log_samples(state.step, [(cfg.eval.prompt, text)])
+        return metrics
+
+    # ---- The loop ---------------------------------------------------------------------------------
+    model.train()
+    batches = iter(train_data)
+    preemption = PreemptionHandler()
+    progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not accelerator.is_main_process,
+                    desc="pretrain", unit="step", dynamic_ncols=True, mininterval=1.0)
+    max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
+    while state.step < cfg.train.max_steps:
+        t_start = time.perf_counter()
+        rows = next(batches)                                                          # 1. load
+        t_data = time.perf_counter() - t_start
+        input_ids = rows.input_ids.to(accelerator.device, non_blocking=True)
+        labels = make_labels(input_ids, tokenizer.eos_token_id if cfg.train.mask_cross_doc_targets else None)
+        # Normalise by the target count of the whole global batch (all micro-batches, all ranks);
+        # times W because DDP/FSDP average gradients over ranks.
+        n_targets = accelerator.reduce(count_targets(labels), reduction="sum").item()
+        if n_targets == 0:
+            raise ValueError(f"step {state.step}: every label of the global batch is ignored (-100)")
+        loss_scale = W / n_targets
+        loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        for k, (x, y) in enumerate(zip(input_ids.split(B), labels.split(B))):
+            last = k == K - 1
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                with precision.autocast():
+                    logits = model(input_ids=x).logits                                # 2. forward
+                micro_loss = causal_lm_loss_sum(logits, y, cfg.train.label_smoothing)  #    fp32 loss
+                accelerator.backward(precision.scale(micro_loss * loss_scale))       # 3. backward, 4. sync
+            loss_sum += micro_loss.detach()
+        precision.unscale_(optimizer)                                                 # real-size grads
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm).item()  # 5. clip
+        lr = optimizer.param_groups[0]["lr"]
+        stepped = precision.step(optimizer)                                           # 6. update
+        if stepped:
+            scheduler.step()  # an fp16 overflow skip must not move the schedule
+        optimizer.zero_grad(set_to_none=True)
+        train_loss = accelerator.reduce(loss_sum, reduction="sum").item() / n_targets
+        if not stepped:
+            state.skipped_steps += 1
+        elif not math.isfinite(train_loss):
+            raise FloatingPointError(
+                f"loss is {train_loss} at step {state.step + 1} (lr {lr:.3g}, grad norm {grad_norm:.3g}); "
+                f"nothing was saved from this step. Lower optim.lr or raise optim.warmup_steps, then resume."
+            )
+        state.step += 1
+        state.tokens_seen += global_batch * cfg.data.seq_len
+        step_time = time.perf_counter() - t_start
+
+        tokens_per_s = global_batch * cfg.data.seq_len / step_time
+        metrics = {
+            "train/loss": train_loss, "train/lr": lr, "train/grad_norm": grad_norm,
+            "train/clipped": grad_norm > max_norm, "train/tokens_seen": state.tokens_seen,
+            "train/epoch": rows.epoch, "train/skipped_docs": rows.skipped_docs,
+            "perf/tokens_per_s": tokens_per_s, "perf/step_time_s": step_time,
+            "perf/data_wait_frac": t_data / step_time,
+            "perf/mfu": mfu(tokens_per_s / W, flops_per_token, peak),
+            "perf/peak_mem_bytes": runtime.peak_memory_bytes(accelerator.device),
+        }
+        if precision.scaler:
+            metrics.update({"train/loss_scale": precision.loss_scale, "train/skipped_steps": state.skipped_steps})
+        warnings.observe(state.step, train_loss, metrics["train/clipped"], not stepped)
+        last = state.step == cfg.train.max_steps
+        if last or (cfg.eval.every and state.step % cfg.eval.every == 0):                # 7. evaluate
+            metrics.update(run_eval())
+        tracker.log(metrics, step=state.step)
+        progress.update(1)
+        progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        if state.step % cfg.logging.every == 0:
+            progress.write(format_log_line(state.step, metrics))
+
+        stop = preemption.should_stop(accelerator)
+        if stop or last or (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0):  # 8. checkpoint
+            save_checkpoint()
+        if stop:
+            say(f"[lmpretrain] stopped by signal after step {state.step}; resume with the same command")
+            train_data.close()
+            tracker.finish()
+            return
+    progress.close()
+
+    # ---- Finish: export model + tokenizer for from_pretrained / pipeline() -------------------------
+    train_data.close()
+    if info.sharding.startswith("ddp"):  # replicas must hold identical parameters after training
+        digests = runtime.replica_digests(model, accelerator)
+        say(f"[lmpretrain] parameter sha256 per rank: {' '.join(digests)}")
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"ranks hold different parameters after training: {digests}")
+    final = out / "final"
+    weights = accelerator.get_state_dict(model)  # gathers shards under FSDP; every rank must call it
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(final, state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(final)
+        sample = generate_sample(accelerator.unwrap_model(model), tokenizer, cfg.eval.prompt, 48, accelerator.device)
+        say(f"[lmpretrain] done: step {state.step}, eval loss {state.eval_loss:.4f}, model saved to {final}")
+        say(f"[lmpretrain] sample: {sample!r}")
+    tracker.finish()
+    preemption.restore()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, runtime.LaunchError, CheckpointError, DataError, PrecisionUnavailableError) as err:
+        print(f"error: {err}", file=sys.stderr)  # a problem to fix, not a bug: no traceback
+        sys.exit(2)

@@ -1,0 +1,54 @@
+#!/usr/bin/env python
+"""Compare runs locally, without a W&B server.
+
+    python scripts/compare_runs.py runs/a runs/b [--plot loss.png] [--assert-close 1e-4] [--wandb]
+
+Prints a table (steps, final train loss, final/best eval loss, median tokens/s, wall time) and the
+config keys that differ, writes a PNG of loss vs tokens seen (default ``compare_runs.png``), and with
+``--assert-close TOL`` exits 1 when two runs' train-loss curves differ by more than TOL at a common
+step (for CI regression checks). Reads ``metrics.jsonl``, or the offline W&B files with ``--wandb``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lmpretrain.runs import (
+    check_close,
+    config_diff,
+    format_config_diff,
+    format_table,
+    load_runs,
+    plot_runs,
+    summarize,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--plot", default="compare_runs.png", help="PNG to write (default: %(default)s)")
+    parser.add_argument("--assert-close", type=float, metavar="TOL",
+                        help="exit 1 when any two runs' train/loss differ by more than TOL at a common step")
+    parser.add_argument("--wandb", action="store_true", help="read the offline W&B files instead of metrics.jsonl")
+    args = parser.parse_args(argv)
+
+    runs = load_runs(args.run_dirs, source="wandb" if args.wandb else "metrics")
+    print(format_table([summarize(r) for r in runs]))
+    print()
+    print(format_config_diff(runs, config_diff(runs)))
+    print()
+    print(f"plot: {plot_runs(runs, args.plot)}")
+    if args.assert_close is not None:
+        problems = check_close(runs, args.assert_close)
+        for p in problems:
+            print(f"NOT CLOSE: {p}")
+        if problems:
+            return 1
+        print(f"loss curves agree within {args.assert_close:g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""lmpretrain: readable, resumable pretraining recipes for transformers causal LMs."""

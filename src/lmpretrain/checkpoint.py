@@ -1,0 +1,626 @@
+"""Atomic, per-rank, valid-only checkpoints; resume discovery; retention; run fingerprints.
+
+A checkpoint is ``<output_dir>/checkpoints/step-NNNNNNNN/`` holding:
+
+* ``model.safetensors``  full (unsharded) weights; tied aliases are stored once and re-created on load
+* ``optimizer.pt``       full optimizer state keyed by parameter names (survives DDP/FSDP wrapping)
+* ``rank-00000.pt`` ...  per rank: RNG states (python, numpy, torch, CUDA) and the data-pipeline state
+* ``trainer_state.json`` counters, scheduler, scaler, world size, resolved config, fingerprint
+* ``COMPLETE``           JSON manifest ``{file: size_in_bytes}`` of every other file, written last
+
+Write protocol (every rank calls ``save``): main creates ``checkpoints/.tmp-step-N-<nonce>/``; every
+rank writes and fsyncs its files there; all ranks agree nothing failed; main writes ``COMPLETE``,
+fsyncs it and the directory, renames the directory to ``step-N`` and fsyncs ``checkpoints/``. The
+rename is the commit: a directory named ``step-N`` appears complete, with its marker, or not at all.
+The marker and its sizes are a second defence for copies made by other tools and truncated files.
+A crash at any point leaves the older checkpoints untouched; leftover ``.tmp-*`` directories are
+removed by the next save. Every ``torch.load`` here uses ``weights_only=True``.
+"""
+
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from accelerate import PartialState
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_STATE_FILE = "trainer_state.json"
+MARKER_FILE = "COMPLETE"
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_ALIASES_KEY = "lmpretrain.tied_aliases"
+OVERRIDE_FLAG = "--run.allow_mismatch=true"
+# Fingerprint keys that may change between runs without a word: they change speed, not results.
+SILENT_FINGERPRINT_KEYS = {"num_workers", "data.num_workers"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, found or loaded; the message says what to do."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint was written by a run whose fingerprint differs from this one."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# ---- RNG ------------------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> dict:
+    """This process's python, numpy, torch and CUDA RNG states, as tensors and plain values."""
+    version, internal, gauss_next = random.getstate()
+    np_name, np_key, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
+    state = {
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+                   "gauss_next": gauss_next},
+        "numpy": {"name": np_name, "key": torch.from_numpy(np_key.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of ``capture_rng_state``: the next random numbers equal those after the capture."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
+    nps = state["numpy"]
+    np.random.set_state((nps["name"], nps["key"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"],
+                         nps["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None:
+        if not torch.cuda.is_available():
+            logger.warning("checkpoint has CUDA RNG states but CUDA is not available here: they are not restored")
+        else:
+            if len(cuda) != torch.cuda.device_count():
+                logger.warning("checkpoint has CUDA RNG states for %d devices, this process sees %d: "
+                               "restoring the first %d", len(cuda), torch.cuda.device_count(),
+                               min(len(cuda), torch.cuda.device_count()))
+            for device, rng in enumerate(cuda[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(rng, device)
+
+
+# ---- small helpers ---------------------------------------------------------------------------------
+
+
+def any_rank(flag: bool, state) -> bool:
+    """True on every rank when ``flag`` is True on any rank (all-reduce max; a no-op in one process)."""
+    if state.num_processes > 1 and dist.is_available() and dist.is_initialized():
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=state.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+    return bool(flag)
+
+
+def _broadcast_int(value: int, state) -> int:
+    """Rank 0's ``value`` on every rank, as a tensor broadcast (no pickling)."""
+    if state.num_processes > 1 and dist.is_available() and dist.is_initialized():
+        t = torch.tensor([value], dtype=torch.int64, device=state.device)
+        dist.broadcast(t, src=0)
+        return int(t.item())
+    return value
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's entries to disk (a directory fsync makes renames durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _torch_save_synced(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text_synced(text: str, path: Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a checkpoint directory marker first, so a half-deleted directory never looks valid."""
+    (path / MARKER_FILE).unlink(missing_ok=True)
+    shutil.rmtree(path)
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.Tensor)
+
+
+def _check_plain(obj, where: str) -> None:
+    """Raise if ``obj`` holds anything ``torch.load(weights_only=True)`` would refuse to read back."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{where} has a key {k!r} of type {type(k).__name__}; use str or int keys")
+            _check_plain(v, f"{where}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{where}[{i}]")
+    elif not isinstance(obj, _PLAIN):
+        raise TypeError(f"{where} is a {type(obj).__module__}.{type(obj).__name__}; checkpoints hold only "
+                        f"dicts, lists, ints, floats, bools, strs, None and tensors (convert it, e.g. int(x))")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def merge_data_states(states: list[dict]) -> dict:
+    """Merge the ranks' data states: ``streams`` by stream id; any other key must agree across ranks."""
+    merged: dict = {}
+    for rank, st in enumerate(states):
+        for key, value in st.items():
+            if key == "streams":
+                streams = merged.setdefault("streams", {})
+                for sid, s in value.items():
+                    if sid in streams and not _same(streams[sid], s):
+                        raise CheckpointError(f"data stream {sid!r} has different states in two rank files "
+                                              f"(second one: {rank_file(rank)}); the checkpoint is inconsistent")
+                    streams[sid] = s
+            elif key in merged and not _same(merged[key], value):
+                raise CheckpointError(f"data state key {key!r} differs between rank files ({rank_file(rank)}); "
+                                      f"only 'streams' is merged across ranks")
+            else:
+                merged[key] = value
+    return merged
+
+
+def _split_tied(state_dict: dict) -> tuple[dict, dict]:
+    """Drop aliases of tensors already present (tied weights): safetensors refuses shared storage."""
+    unique, aliases, seen = {}, {}, {}
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"model state entry {name!r} is a {type(t).__name__}, not a tensor; "
+                                  f"model.safetensors can only hold tensors")
+        key = None
+        if t.numel():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        # safetensors needs contiguous tensors; this copies only the (rare) non-contiguous ones.
+        unique[name] = t if t.is_contiguous() else t.contiguous()
+    return unique, aliases
+
+
+# ---- validation --------------------------------------------------------------------------------------
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a loadable checkpoint, or None when it is (marker, manifest sizes, step)."""
+    path = Path(path)
+    if not path.is_dir():
+        return "not a directory"
+    match = STEP_DIR.match(path.name)
+    if not match:
+        return "directory name is not step-NNNNNNNN"
+    marker = path / MARKER_FILE
+    if not marker.is_file():
+        return f"no {MARKER_FILE} marker (the save did not finish)"
+    try:
+        manifest = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        return f"unreadable {MARKER_FILE} marker ({err})"
+    if not isinstance(manifest, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) for k, v in manifest.items()
+    ):
+        return f"{MARKER_FILE} is not a {{file: size}} manifest"
+    for required in (MODEL_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, rank_file(0)):
+        if required not in manifest:
+            return f"manifest lacks {required}"
+    ranks = sorted(int(m.group(1)) for m in map(re.compile(r"^rank-(\d{5})\.pt$").match, manifest) if m)
+    if ranks != list(range(len(ranks))):
+        return f"manifest has rank files {ranks}, not 0..{len(ranks) - 1}"
+    for name, size in manifest.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        actual = f.stat().st_size
+        if actual != size:
+            return f"{name} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
+    try:
+        trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        return f"unreadable {TRAINER_STATE_FILE} ({err})"
+    if trainer_state.get("step") != int(match.group(1)):
+        return f"{TRAINER_STATE_FILE} says step {trainer_state.get('step')}, the directory name {match.group(1)}"
+    world_size = trainer_state.get("world_size")
+    if world_size is not None and world_size != len(ranks):
+        return f"{len(ranks)} rank files for world size {world_size}"
+    return None
+
+
+def _read_trainer_state(path: Path) -> dict:
+    return json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+
+
+def check_output_dir_writable(output_dir) -> None:
+    """Fail before training if checkpoints could not be created, written and renamed in ``output_dir``."""
+    out = Path(output_dir)
+    probe = out / f".write-test-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.mkdir()
+        _write_text_synced("ok", probe / "probe")
+        renamed = probe.with_name(probe.name + "-renamed")
+        os.rename(probe, renamed)
+        shutil.rmtree(renamed)
+    except OSError as err:
+        raise CheckpointError(
+            f"output_dir {str(out)!r} is not usable for checkpoints: {err.strerror or err} "
+            f"({type(err).__name__} on {err.filename or out}). Checkpoints need to create, write and rename "
+            f"directories there: pick another output_dir or fix the path/permissions."
+        ) from err
+
+
+# ---- fingerprints --------------------------------------------------------------------------------------
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            flat.update(_flatten(v, key + "."))
+        else:
+            flat[key] = v
+    return flat
+
+
+def _global_batch(fp: dict) -> int | None:
+    if fp.get("global_batch") is not None:
+        return fp["global_batch"]
+    if all(fp.get(k) is not None for k in ("micro_batch_size", "grad_accum_steps", "world_size")):
+        return fp["micro_batch_size"] * fp["grad_accum_steps"] * fp["world_size"]
+    return None
+
+
+def _batch_advice(saved: dict, current: dict, lr: float | None) -> str | None:
+    old_w, new_w = saved.get("world_size"), current.get("world_size")
+    old_b, new_b = _global_batch(saved), _global_batch(current)
+    if old_b is not None and new_b is not None and old_b != new_b:
+        factor = new_b / old_b
+        suggestion = f"optim.lr x {factor:g}" if lr is None else f"lr {lr:.4g} -> {lr * factor:.4g}"
+        return (f"the global batch changes {old_b} -> {new_b} (world size {old_w} -> {new_w}): with linear "
+                f"scaling the learning rate should change by x{factor:g} ({suggestion})")
+    if old_w != new_w:
+        if old_b is not None and old_b == new_b:
+            return (f"world size changes {old_w} -> {new_w} but the global batch stays {old_b}: "
+                    f"no learning-rate rescaling is needed")
+        return (f"world size changes {old_w} -> {new_w}: if the global batch changes, rescale the learning "
+                f"rate linearly (lr x new_batch / old_batch)")
+    return None
+
+
+def check_fingerprint(saved: dict, current: dict, *, allow_mismatch: bool, lr: float | None = None) -> list[str]:
+    """Compare a checkpoint's fingerprint with this run's; raise naming every difference unless allowed.
+
+    Nested dicts are compared key by key (``model.hidden_size``). ``num_workers`` may differ silently.
+    When the world size or global batch (``global_batch`` or micro_batch_size x grad_accum_steps x
+    world_size) differs, the message says how to rescale the learning rate (give ``lr`` for a number).
+    Returns the warnings to print when ``allow_mismatch`` is set (empty when nothing differs).
+    """
+    old, new = _flatten(saved), _flatten(current)
+    missing = "<absent>"
+    diffs = [
+        f"{key}: {old.get(key, missing)!r} -> {new.get(key, missing)!r}"
+        for key in sorted(old.keys() | new.keys())
+        if key not in SILENT_FINGERPRINT_KEYS and key.rsplit(".", 1)[-1] not in SILENT_FINGERPRINT_KEYS
+        and not _same(old.get(key, missing), new.get(key, missing))
+    ]
+    if not diffs:
+        return []
+    advice = _batch_advice(saved, current, lr)
+    if not allow_mismatch:
+        lines = ["the checkpoint was written by a run that differs from this one:"]
+        lines += [f"  {d}" for d in diffs]
+        if advice:
+            lines.append(f"note: {advice}")
+        lines.append(f"Resume anyway with {OVERRIDE_FLAG}, or start fresh in another output_dir "
+                     f"(or with --run.resume=never --run.overwrite=true).")
+        raise CheckpointMismatchError("\n".join(lines))
+    warnings = [f"resuming across a fingerprint difference ({OVERRIDE_FLAG}): {d}" for d in diffs]
+    if advice:
+        warnings.append(advice)
+    return warnings
+
+
+# ---- the checkpointer ------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves, finds, loads and prunes the checkpoints of one output dir (all ranks call save/load)."""
+
+    def __init__(self, output_dir, accelerator=None, keep_last: int = 2):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept")
+        self.output_dir = Path(output_dir)
+        self.dir = self.output_dir / "checkpoints"
+        self.state = accelerator if accelerator is not None else PartialState()
+        self.keep_last = keep_last
+
+    # -- discovery --
+
+    def _step_dirs(self) -> list[Path]:
+        """step-* directories, newest first (by the number in the name: only for ordering)."""
+        if not self.dir.is_dir():
+            return []
+        dirs = [p for p in self.dir.iterdir() if STEP_DIR.match(p.name) and p.is_dir()]
+        return sorted(dirs, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
+
+    def valid_checkpoints(self) -> list[Path]:
+        """Every loadable checkpoint, newest first."""
+        return [p for p in self._step_dirs() if checkpoint_problem(p) is None]
+
+    def latest(self) -> Path | None:
+        """The newest valid checkpoint; newer invalid ones are skipped with a warning naming them."""
+        for path in self._step_dirs():
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            if self.state.is_main_process:
+                logger.warning("ignoring checkpoint %s: %s; falling back to an older one", path, problem)
+        return None
+
+    def resolve_resume(self, resume: str, overwrite: bool) -> Path | None:
+        """``auto``: the newest valid checkpoint or None; ``never``: None (refusing existing
+        checkpoints unless ``overwrite``, which deletes them); otherwise the checkpoint at that path."""
+        if resume == "auto":
+            return self.latest()
+        if resume == "never":
+            existing = self._step_dirs()
+            if existing and not overwrite:
+                raise CheckpointError(
+                    f"run.resume=never but {self.dir} already has {len(existing)} checkpoint(s) "
+                    f"(newest {existing[0].name}). Resume them with --run.resume=auto, use another output_dir, "
+                    f"or pass --run.overwrite=true to delete them and start fresh."
+                )
+            if existing and self.state.is_main_process:
+                # Left in place, they would be mixed with the new run's (auto-resume could pick them).
+                logger.warning("run.overwrite=true: deleting %d old checkpoint(s) in %s", len(existing), self.dir)
+                for path in existing:
+                    _remove_dir(path)
+            self.state.wait_for_everyone()
+            return None
+        path = Path(resume)
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            hint = ""
+            if (path / "checkpoints").is_dir():
+                hint = f" (it looks like an output dir: point at one of {path / 'checkpoints'}/step-*)"
+            raise CheckpointError(f"run.resume={resume!r} is not a loadable checkpoint: {problem}{hint}")
+        return path
+
+    # -- saving --
+
+    def _clean_leftovers(self) -> None:
+        for p in self.dir.iterdir():
+            if p.name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def save(self, step: int, *, model, optimizer, data_state: dict, trainer_state: dict) -> Path:
+        """Write checkpoint ``step`` atomically, then prune old ones. Every rank must call it."""
+        rng = capture_rng_state()  # first: nothing below may consume randomness, but be sure
+        st = self.state
+        final = self.dir / step_dir_name(step)
+        # Errors are collected, agreed on by all ranks, then raised everywhere: a rank that raised
+        # alone would leave the others waiting forever in the next collective.
+        error: BaseException | None = None
+        try:
+            if trainer_state.get("step", step) != step:
+                raise ValueError(f"trainer_state['step'] is {trainer_state['step']} but saving step {step}")
+            _check_plain(data_state, "data_state")
+            trainer_json = json.dumps({**trainer_state, "step": step}, indent=2, sort_keys=True)
+        except (TypeError, ValueError) as err:
+            error = err
+
+        nonce = 0
+        if st.is_main_process and error is None:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._clean_leftovers()
+            except OSError as err:
+                error = err
+            nonce = int.from_bytes(os.urandom(6), "little")
+        nonce = _broadcast_int(nonce, st)
+        tmp = self.dir / f".tmp-{final.name}-{nonce:012x}"
+        if st.is_main_process:
+            error = self._try(error, tmp.mkdir)
+        if any_rank(error is not None, st):  # also the barrier: tmp exists before anyone writes
+            raise self._failed(error, tmp, f"start {final.name}")
+
+        # Collective calls happen on every rank whatever happened before, so a write error on one
+        # rank cannot leave the others waiting inside a gather.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)  # full on main, empty elsewhere (sharded)
+        if st.is_main_process:
+            error = self._try(error, self._write_model, weights, tmp / MODEL_FILE)
+        del weights
+        optim_state = self._optimizer_state(model, optimizer, options)
+        if st.is_main_process:
+            error = self._try(error, _torch_save_synced, optim_state, tmp / OPTIMIZER_FILE)
+            error = self._try(error, _write_text_synced, trainer_json, tmp / TRAINER_STATE_FILE)
+        del optim_state
+        rank_state = {"rank": st.process_index, "world_size": st.num_processes, "rng": rng, "data": data_state}
+        error = self._try(error, _torch_save_synced, rank_state, tmp / rank_file(st.process_index))
+        if any_rank(error is not None, st):
+            raise self._failed(error, tmp, f"write {final.name}")
+
+        if st.is_main_process:
+            error = self._try(None, self._commit, tmp, final, nonce)
+        if any_rank(error is not None, st):
+            raise self._failed(error, tmp, f"commit {final.name}")
+        if st.is_main_process:
+            self.prune()
+        return final
+
+    @staticmethod
+    def _try(previous: BaseException | None, fn, *args) -> BaseException | None:
+        """Run fn unless an earlier step failed; return the first error (raised later, on every rank)."""
+        if previous is not None:
+            return previous
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001 - re-raised by _failed after the ranks agree
+            return err
+        return None
+
+    def _failed(self, error: BaseException | None, tmp: Path, what: str) -> CheckpointError:
+        if self.state.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is None:
+            return CheckpointError(f"another rank failed to {what} in {self.dir}; nothing was saved "
+                                   f"and the previous checkpoints are intact")
+        err = CheckpointError(f"failed to {what} in {self.dir}: {type(error).__name__}: {error}; nothing "
+                              f"was saved and the previous checkpoints are intact")
+        err.__cause__ = error
+        return err
+
+    @staticmethod
+    def _write_model(weights: dict, path: Path) -> None:
+        tensors, aliases = _split_tied(weights)
+        safetensors.torch.save_file(tensors, path, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)})
+        _fsync(path)
+
+    @staticmethod
+    def _optimizer_state(model, optimizer, options) -> dict:
+        if not optimizer.state:
+            # get_optimizer_state_dict would initialise an unstepped optimizer with a fake step
+            # (moments 0, step 1), changing the live run; save the hyperparameters only.
+            return {"state": {}, "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+            ]}
+        return get_optimizer_state_dict(model, optimizer, options=options)
+
+    def _commit(self, tmp: Path, final: Path, nonce: int) -> None:
+        manifest = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        _write_text_synced(json.dumps(manifest, indent=1, sort_keys=True), tmp / MARKER_FILE)
+        _fsync(tmp)
+        trash = None
+        if final.exists():  # the same step saved again (e.g. a fresh run with overwrite): swap it out
+            trash = self.dir / f".trash-{final.name}-{nonce:012x}"
+            os.rename(final, trash)
+        os.rename(tmp, final)
+        _fsync(self.dir)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def prune(self) -> list[Path]:
+        """Keep the newest ``keep_last`` valid checkpoints and the one with the lowest eval_loss."""
+        if not self.state.is_main_process:
+            return []
+        valid = self.valid_checkpoints()
+        keep = set(valid[: self.keep_last])
+        scored = []
+        for path in valid:
+            loss = _read_trainer_state(path).get("eval_loss")
+            if isinstance(loss, (int, float)) and math.isfinite(loss):
+                scored.append((loss, path))
+        if scored:
+            keep.add(min(scored, key=lambda lp: lp[0])[1])
+        removed = []
+        for path in valid:
+            if path not in keep:
+                try:
+                    _remove_dir(path)
+                    removed.append(path)
+                except OSError as err:
+                    logger.warning("could not delete old checkpoint %s: %s", path, err)
+        return removed
+
+    # -- loading --
+
+    def load(self, path, *, model, optimizer) -> tuple[dict, dict]:
+        """Restore weights, optimizer and this rank's RNG from ``path``. Returns (data state merged
+        over all ranks' files, trainer_state). Every rank must call it."""
+        path = Path(path)
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise CheckpointError(f"cannot load {path}: {problem}")
+        st = self.state
+        trainer_state = _read_trainer_state(path)
+
+        weights = safetensors.torch.load_file(path / MODEL_FILE, device="cpu")
+        with safetensors.safe_open(path / MODEL_FILE, framework="pt") as f:
+            aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
+        for alias, name in aliases.items():
+            weights[alias] = weights[name]
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+        del weights
+
+        optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        groups = optim_state["param_groups"]
+        if len(groups) != len(optimizer.param_groups):
+            raise CheckpointError(f"{path / OPTIMIZER_FILE} has {len(groups)} parameter groups, "
+                                  f"the optimizer has {len(optimizer.param_groups)}")
+        if optim_state["state"]:
+            # torch's full-state loader fails with a bare KeyError on group keys the live optimizer
+            # lacks (e.g. 'initial_lr' when the scheduler is built after loading); the load
+            # overwrites every group value anyway, so add the missing ones first.
+            for live, saved in zip(optimizer.param_groups, groups, strict=True):
+                for key, value in saved.items():
+                    live.setdefault(key, value)
+            set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+            for live, saved in zip(optimizer.param_groups, groups, strict=True):  # it turns tuples into lists
+                for key, value in saved.items():
+                    if isinstance(value, tuple) and isinstance(live.get(key), list):
+                        live[key] = tuple(live[key])
+        else:
+            optimizer.state.clear()
+            for live, saved in zip(optimizer.param_groups, groups, strict=True):
+                live.update(saved)
+        del optim_state
+
+        manifest = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
+        names = sorted(n for n in manifest if re.match(r"^rank-\d{5}\.pt$", n))
+        rank_states = [torch.load(path / n, map_location="cpu", weights_only=True) for n in names]
+        data_state = merge_data_states([r["data"] for r in rank_states])
+        if st.process_index < len(rank_states):
+            restore_rng_state(rank_states[st.process_index]["rng"])  # last: loading must not move RNGs
+        else:
+            logger.warning("checkpoint %s has RNG states for %d ranks; rank %d keeps its seeded RNG",
+                           path, len(rank_states), st.process_index)
+        return data_state, trainer_state

@@ -1,0 +1,58 @@
+"""Held-out loss and perplexity on a fixed set, reduced as sums across ranks; sample generations."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lmpretrain.loss import IGNORE_INDEX, causal_lm_loss_sum, count_targets
+
+
+def rank_share(blocks: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's blocks (every world_size-th) and their labels, padded so every rank runs the same
+    number of forward passes (collectives inside DDP/FSDP forwards must match); padding is ignored."""
+    share = blocks[rank::world_size]
+    per_rank = -(-len(blocks) // world_size)
+    labels = share.clone()
+    if len(share) < per_rank:
+        pad = blocks[:1].expand(per_rank - len(share), -1)
+        share = torch.cat([share, pad])
+        labels = torch.cat([labels, torch.full_like(pad, IGNORE_INDEX)])
+    return share, labels
+
+
+@torch.no_grad()
+def evaluate(model, blocks: torch.Tensor, *, accelerator, precision, batch_size: int) -> dict:
+    """Mean next-token loss over all ranks' held-out blocks: sum of losses / sum of targets."""
+    model.eval()
+    inputs, labels = rank_share(blocks, accelerator.process_index, accelerator.num_processes)
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    for start in range(0, len(inputs), batch_size):
+        x = inputs[start : start + batch_size].to(accelerator.device)
+        y = labels[start : start + batch_size].to(accelerator.device)
+        with precision.autocast():
+            logits = model(input_ids=x).logits
+        total[0] += causal_lm_loss_sum(logits, y).double()
+        total[1] += count_targets(y)
+    total = accelerator.reduce(total, reduction="sum")
+    model.train()
+    loss = (total[0] / total[1]).item()
+    return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
+
+
+@torch.no_grad()
+def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, device) -> str:
+    """Greedy continuation (no RNG consumed, so sampling never changes the training trajectory)."""
+    was_training = model.training
+    model.eval()
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    out = model.generate(
+        ids,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+    model.train(was_training)
+    return tokenizer.decode(out[0], skip_special_tokens=True)

@@ -1,0 +1,253 @@
+"""FLOPs per token from the model config, the device's peak FLOP/s, and MFU.
+
+MFU = achieved model FLOP/s / peak FLOP/s, where the model FLOPs are counted from the architecture
+(not measured), so activation recomputation, padding or wasted work never raise it.
+
+Counting convention (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT's ``estimate_mfu``):
+
+* a matmul ``[T, a] x [a, b]`` costs ``2 * T * a * b`` FLOPs (one multiply + one add);
+* forward per token = ``2 * matmul_params + attention``, where ``matmul_params`` are the weight
+  matrices used per token (attention projections, MLP, and the LM head, tied or not); biases, norms
+  and the embedding *lookups* are left out (they are not matmuls);
+* ``attention = 2 * 2 * n_layers * seq_len * d_attn`` for ``QK^T`` and ``AV`` with
+  ``d_attn = n_heads * head_dim`` (query heads: with GQA each query head still computes its own
+  scores and weighted sum);
+* **causal convention**: by default the full ``seq_len x seq_len`` score matrix is counted, as PaLM
+  and nanoGPT do; the work a causal mask really needs is about half of it (query ``i`` sees ``i + 1``
+  keys). ``causal=True`` counts only that, ``(seq_len + 1) / 2`` keys on average;
+* training = forward + backward = ``3 * forward`` (backward = 2x forward: grads w.r.t. inputs and
+  weights).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+# --------------------------------------------------------------------------------------------
+# FLOPs per token
+# --------------------------------------------------------------------------------------------
+
+_LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "gemma", "gemma2")
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        value = cfg.get(name, default)
+    else:
+        value = getattr(cfg, name, default)
+    return default if value is None else value
+
+
+def _require(cfg: Any, *names: str) -> list[int]:
+    values = [_get(cfg, n) for n in names]
+    missing = [n for n, v in zip(names, values, strict=True) if v is None]
+    if missing:
+        raise ValueError(f"model config lacks {missing} needed to count FLOPs")
+    return [int(v) for v in values]
+
+
+def matmul_params_per_token(model_config: Any) -> tuple[int, int, int]:
+    """Weights used as matmuls per token, incl. the LM head: returns (params, n_layers, d_attn)."""
+    model_type = str(_get(model_config, "model_type", ""))
+    if model_type == "gpt2":
+        d, n_layers, vocab = _require(model_config, "n_embd", "n_layer", "vocab_size")
+        d_ff = int(_get(model_config, "n_inner", 4 * d))
+        attention = d * 3 * d + d * d  # c_attn (q, k, v fused) + c_proj
+        mlp = 2 * d * d_ff  # c_fc + c_proj
+        return n_layers * (attention + mlp) + d * vocab, n_layers, d
+    if model_type in _LLAMA_STYLE:
+        d, n_layers, n_heads, d_ff, vocab = _require(
+            model_config, "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "intermediate_size", "vocab_size",
+        )
+        n_kv = int(_get(model_config, "num_key_value_heads", n_heads))
+        head_dim = int(_get(model_config, "head_dim", d // n_heads))
+        d_q, d_kv = n_heads * head_dim, n_kv * head_dim
+        attention = d * d_q + 2 * d * d_kv + d_q * d  # q, k, v (GQA: fewer kv heads), o
+        mlp = 3 * d * d_ff  # gated MLP: gate, up, down
+        return n_layers * (attention + mlp) + d * vocab, n_layers, d_q
+    raise ValueError(
+        f"cannot count FLOPs for model_type {model_type!r}: supported are 'gpt2' and the Llama-style "
+        f"{list(_LLAMA_STYLE)}. Add it to lmpretrain.flops.matmul_params_per_token, or count its "
+        "matmul weights yourself and call flops_per_token_from_counts()."
+    )
+
+
+def flops_per_token_from_counts(
+    matmul_params: int, n_layers: int, seq_len: int, d_attn: int, *, causal: bool = False
+) -> float:
+    """Training FLOPs per token (forward + backward) from counts; see the module docstring."""
+    keys = (seq_len + 1) / 2 if causal else seq_len
+    forward = 2 * matmul_params + 2 * 2 * n_layers * keys * d_attn
+    return 3.0 * forward
+
+
+def train_flops_per_token(model_config: Any, seq_len: int, *, causal: bool = False) -> float:
+    """Training FLOPs per token of a transformers config (or dict with the same fields)."""
+    params, n_layers, d_attn = matmul_params_per_token(model_config)
+    return flops_per_token_from_counts(params, n_layers, seq_len, d_attn, causal=causal)
+
+
+# --------------------------------------------------------------------------------------------
+# Peak FLOP/s
+# --------------------------------------------------------------------------------------------
+
+T = 1e12
+# Dense (no 2:4 sparsity) tensor-core peaks per GPU from NVIDIA's datasheets; "tf32" is used for
+# fp32 matmuls when torch allows TF32. Datasheets print sparse figures with a "*": those are halved.
+#   H100 / H200: nvidia.com/en-us/data-center/h100 and /h200 (datasheets, SXM / PCIe / NVL columns)
+#   A100: A100 datasheet (SXM and PCIe have the same peaks)
+#   A10: A10 datasheet.  A10G (AWS g5): no NVIDIA datasheet; AWS/NVIDIA quote 35 TF32 / 70 BF16
+#   dense -- treat as approximate.
+#   L4, L40, L40S: their datasheets.  RTX 4090: Ada whitepaper v2.1, FP16/BF16 tensor with FP32
+#   accumulate (what PyTorch uses).  V100: V100 datasheet.  T4: T4 datasheet.
+_GPU_PEAKS: dict[str, dict[str, float]] = {
+    "h100-sxm": {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T},
+    "h100-pcie": {"fp32": 51.2 * T, "tf32": 378 * T, "bf16": 756 * T, "fp16": 756 * T},
+    "h100-nvl": {"fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T},
+    "h200-sxm": {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T},
+    "h200-nvl": {"fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T},
+    "a100": {"fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T, "fp16": 312 * T},
+    "a10g": {"fp32": 31.2 * T, "tf32": 35 * T, "bf16": 70 * T, "fp16": 70 * T},
+    "a10": {"fp32": 31.2 * T, "tf32": 62.5 * T, "bf16": 125 * T, "fp16": 125 * T},
+    "l40s": {"fp32": 91.6 * T, "tf32": 183 * T, "bf16": 362 * T, "fp16": 362 * T},
+    "l40": {"fp32": 90.5 * T, "tf32": 90.5 * T, "bf16": 181 * T, "fp16": 181 * T},
+    "l4": {"fp32": 30.3 * T, "tf32": 60 * T, "bf16": 121 * T, "fp16": 121 * T},
+    "rtx-4090": {"fp32": 82.6 * T, "tf32": 82.6 * T, "bf16": 165.2 * T, "fp16": 165.2 * T},
+    "v100-sxm": {"fp32": 15.7 * T, "fp16": 125 * T},
+    "v100-pcie": {"fp32": 14 * T, "fp16": 112 * T},
+    "t4": {"fp32": 8.1 * T, "fp16": 65 * T},
+}
+
+# torch.cuda.get_device_name() -> table key; first match wins, so specific names come first.
+# Examples: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
+# "NVIDIA A10G", "NVIDIA L40S", "NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-16GB", "Tesla T4".
+_GPU_NAME_PATTERNS: list[tuple[str, str]] = [
+    (r"h100.*nvl", "h100-nvl"),
+    (r"h100.*(pcie|hbm2e)", "h100-pcie"),
+    (r"h100", "h100-sxm"),
+    (r"h200.*nvl", "h200-nvl"),
+    (r"h200", "h200-sxm"),
+    (r"a100", "a100"),
+    (r"a10g", "a10g"),
+    (r"\ba10\b", "a10"),
+    (r"l40s", "l40s"),
+    (r"\bl40\b", "l40"),
+    (r"\bl4\b", "l4"),
+    (r"rtx 4090", "rtx-4090"),
+    (r"v100.*sxm", "v100-sxm"),
+    (r"v100.*pcie", "v100-pcie"),
+    (r"\bt4\b", "t4"),
+]
+
+_DTYPE_NAMES = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+    "no": "fp32", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16",
+}
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_key(dtype: torch.dtype | str) -> str:
+    """'fp32' | 'bf16' | 'fp16' for a torch dtype or a precision name ('no', 'bf16', 'fp16', ...)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}: use float32/bfloat16/float16 or no/bf16/fp16") from None
+
+
+def gpu_table_key(device_name: str) -> str | None:
+    """The peak-table entry for a CUDA device name, or None when it is not in the table."""
+    name = device_name.lower()
+    for pattern, key in _GPU_NAME_PATTERNS:
+        if re.search(pattern, name):
+            return key
+    return None
+
+
+def table_peak(device_name: str, dtype: torch.dtype | str, *, allow_tf32: bool = False) -> float | None:
+    """Datasheet peak FLOP/s for a GPU name and dtype, or None when unknown."""
+    key = gpu_table_key(device_name)
+    if key is None:
+        return None
+    dt = dtype_key(dtype)
+    entry = _GPU_PEAKS[key]
+    if dt == "fp32" and allow_tf32 and "tf32" in entry:
+        dt = "tf32"
+    return entry.get(dt)
+
+
+@functools.cache
+def measure_peak_flops(device: str, dtype_name: str, seconds: float = 0.5, max_n: int = 2048) -> float:
+    """Best observed FLOP/s of a square matmul in ``dtype`` on ``device``, over about ``seconds``.
+
+    The size doubles from 256 until one matmul takes >= 50 ms (or ``max_n``), so slow dtypes (fp16 on
+    CPU runs at ~1 GFLOP/s) stay quick and fast ones are measured at a size that saturates the
+    device. Cached: a run measures once per (device, dtype). On CPU this is what the BLAS really
+    reaches with the current thread count -- an honest ceiling, not a datasheet number.
+    """
+    dev = torch.device(device)
+    dtype = _TORCH_DTYPES[dtype_name]
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def timed(a: torch.Tensor, b: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        sync()
+        return time.perf_counter() - t0
+
+    start = time.perf_counter()
+    n = 256
+    with torch.no_grad():
+        while True:
+            a = torch.randn(n, n, device=dev).to(dtype)
+            b = torch.randn(n, n, device=dev).to(dtype)
+            timed(a, b)  # warm-up: allocation, kernel selection
+            best = timed(a, b)
+            if best >= 0.05 or n >= max_n:
+                break
+            n *= 2
+        while time.perf_counter() - start < seconds:
+            best = min(best, timed(a, b))
+    return 2.0 * n**3 / best
+
+
+def peak_flops(device: torch.device | str, dtype: torch.dtype | str) -> tuple[float, str]:
+    """Peak FLOP/s of one device for matmuls in ``dtype``, and where the number comes from.
+
+    Known GPUs: datasheet table, source ``table:<entry>:<dtype>`` (``tf32`` when fp32 matmuls may
+    use TF32); unknown GPUs and CPUs: measured once per run with a large matmul, source
+    ``measured:<device>:<dtype>``.
+    """
+    device = torch.device(device)
+    dt = dtype_key(dtype)
+    dtype_name = str(_TORCH_DTYPES[dt]).removeprefix("torch.")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        allow_tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+        value = table_peak(name, dt, allow_tf32=allow_tf32)
+        if value is not None:
+            used = "tf32" if dt == "fp32" and allow_tf32 and "tf32" in _GPU_PEAKS[gpu_table_key(name)] else dtype_name
+            return value, f"table:{gpu_table_key(name)}:{used}"
+        # Not in the table: measure, with a matmul big enough to saturate a GPU.
+        return measure_peak_flops(str(device), dt, max_n=8192), f"measured:cuda:{name}:{dtype_name}"
+    return measure_peak_flops(str(device), dt), f"measured:{device.type}:{dtype_name}"
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float, num_devices: int = 1) -> float:
+    """Model FLOPs utilisation: ``tokens_per_s * flops_per_token / (peak * num_devices)``.
+
+    Pass global tokens/s with ``num_devices = world size``, or per-device tokens/s with 1.
+    """
+    if peak <= 0 or num_devices <= 0:
+        raise ValueError(f"peak ({peak}) and num_devices ({num_devices}) must be positive")
+    return tokens_per_s * flops_per_token / (peak * num_devices)

@@ -1,0 +1,81 @@
+"""Mixed precision that really runs: autocast plus dynamic loss scaling for fp16, on any device.
+
+accelerate ignores mixed_precision="fp16" on CPU (no scaler, plain fp32), so the recipe owns
+autocast and the GradScaler itself and checks at start-up that the requested dtype is really used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PrecisionUnavailableError(RuntimeError):
+    pass
+
+
+class MixedPrecision:
+    """`autocast()` for forward passes; `scale`/`unscale_`/`step` implement fp16 loss scaling.
+
+    For bf16 and fp32 the scaler methods are pass-throughs, so the loop reads the same for all three.
+    """
+
+    def __init__(self, precision: str, device: torch.device, init_scale: float = 2.0**16):
+        self.precision = precision
+        self.device_type = device.type
+        self.dtype = DTYPES[precision]
+        self.scaler = torch.amp.GradScaler(self.device_type, init_scale=init_scale) if precision == "fp16" else None
+        if self.dtype is not None:
+            self._check_autocast(device)
+
+    def _check_autocast(self, device: torch.device) -> None:
+        a = torch.ones(8, 8, device=device)
+        try:
+            with self.autocast():
+                out = a @ a
+        except RuntimeError as err:
+            raise PrecisionUnavailableError(
+                f"train.precision={self.precision}: autocast to {self.dtype} fails on {device}: {err}"
+            ) from err
+        if out.dtype != self.dtype:
+            raise PrecisionUnavailableError(
+                f"train.precision={self.precision} requested, but autocast on {device} computes in {out.dtype}; "
+                "refusing to run a silent fp32 run (use --train.precision=no)"
+            )
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler else loss
+
+    def unscale_(self, optimizer) -> None:
+        """Divide gradients by the scale in place; call before clipping so the norm is the real one."""
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer) -> bool:
+        """Step the optimizer unless fp16 gradients overflowed; returns whether it really stepped."""
+        if not self.scaler:
+            optimizer.step()
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)  # skipped internally when a gradient is inf/NaN
+        self.scaler.update()  # halves the scale after a skip, doubles it after growth_interval clean steps
+        return self.scaler.get_scale() >= before
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.get_scale() if self.scaler else None
+
+    def state_dict(self) -> dict | None:
+        return self.scaler.state_dict() if self.scaler else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.scaler and state:
+            self.scaler.load_state_dict(state)

@@ -1,0 +1,73 @@
+"""SIGTERM/SIGINT -> finish the current optimizer step, save a checkpoint, exit 0.
+
+The first signal only sets a flag; the loop asks ``should_stop`` once per optimizer step, which
+agrees across ranks, so every rank saves the same step. A second signal exits at once: the atomic
+checkpoint protocol guarantees the last complete checkpoint stays loadable whatever we interrupt.
+"""
+
+import os
+import signal
+import threading
+import time
+
+from lmpretrain.checkpoint import any_rank
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _say(line: str) -> None:
+    # os.write, not print: a signal handler may interrupt a print already holding stderr's buffer.
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
+
+
+class PreemptionHandler:
+    """Installs SIGTERM/SIGINT handlers (main thread only); ``restore()`` or ``with`` puts the old back.
+
+    ``duplicate_window_s``: a repeat within this many seconds of the first signal counts as the same
+    request, because launchers forward a Ctrl-C that the workers also received directly (torchrun /
+    accelerate launch send SIGINT on to their children). A later repeat exits at once.
+    """
+
+    def __init__(self, *, verbose: bool = True, duplicate_window_s: float = 1.0):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("PreemptionHandler must be created in the main thread (Python delivers "
+                               "signals only there)")
+        self.verbose = verbose
+        self.duplicate_window_s = duplicate_window_s
+        self.signal_name: str | None = None
+        self._first_at = 0.0
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+
+    @property
+    def received(self) -> bool:
+        """Whether this process got a stop signal (``should_stop`` is the cross-rank answer)."""
+        return self.signal_name is not None
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signal_name is None:
+            self.signal_name, self._first_at = name, time.monotonic()
+            if self.verbose:
+                _say(f"received {name}: will save after this step and exit (send it again to exit at once)")
+        elif time.monotonic() - self._first_at >= self.duplicate_window_s:
+            _say(f"received {name} again: exiting now without saving; the last complete checkpoint is intact")
+            os._exit(128 + signum)
+
+    def should_stop(self, accelerator) -> bool:
+        """True on every rank when any rank was signalled; call it once per optimizer step on all ranks."""
+        return any_rank(self.received, accelerator)
+
+    def restore(self) -> None:
+        """Put back the handlers that were installed before this one."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def __enter__(self) -> "PreemptionHandler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()

@@ -1,0 +1,93 @@
+"""Byte-level BPE tokenizers: train one with `tokenizers`, save and load it as a transformers fast tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from lmpretrain.corpus import build_once, cache_root, ensure_stdlib_corpus, python_tag
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_TOKENIZERS = {"python-stdlib": 8192}
+_BUILTIN_TRAIN_BYTES = 6_000_000  # enough for a good 8k vocabulary; keeps the first build ~10 s
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE (special tokens bos/eos/pad = ids 0/1/2) and `save_pretrained` it to `out_dir`."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes: no unknown token
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    # No post-processor: encoding never adds BOS/EOS; the data packer appends EOS itself.
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def _stdlib_texts(max_bytes: int) -> Iterator[str]:
+    """Documents from every train shard in turn (a slice of each), up to `max_bytes` in total."""
+    shards = sorted(ensure_stdlib_corpus().glob("train-*.jsonl"))
+    per_shard = max_bytes // len(shards)
+    for shard in shards:
+        used = 0
+        with open(shard, encoding="utf-8") as f:
+            for line in f:
+                text = json.loads(line)["text"]
+                yield text
+                used += len(text)
+                if used >= per_shard:
+                    break
+
+
+def ensure_builtin_tokenizer(name: str = "python-stdlib") -> Path:
+    """Folder of a builtin tokenizer, trained on the builtin corpus' train split on first use (cached)."""
+    if name not in BUILTIN_TOKENIZERS:
+        raise ValueError(f"unknown builtin tokenizer {name!r}; available: "
+                         + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_TOKENIZERS))
+    vocab = BUILTIN_TOKENIZERS[name]
+    final = cache_root() / f"tokenizer-{name}-{python_tag()}-v{vocab}"
+    return build_once(final, lambda tmp: train_bpe(_stdlib_texts(_BUILTIN_TRAIN_BYTES), vocab, tmp))
+
+
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local folder, a Hub id, or `builtin:python-stdlib`; it must have an EOS token."""
+    if spec.startswith(BUILTIN_PREFIX):
+        path = str(ensure_builtin_tokenizer(spec[len(BUILTIN_PREFIX):]))
+    else:
+        if spec.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(spec)):
+            raise ValueError(f"tokenizer folder {spec!r} does not exist; train one with scripts/train_tokenizer.py "
+                             "or use builtin:python-stdlib")
+        path = os.path.expanduser(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        where = "local folder" if os.path.isdir(path) else "Hub id (not a local folder; is the network up?)"
+        raise ValueError(f"could not load tokenizer {spec!r} as a {where}: {type(e).__name__}: {e}") from e
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {spec!r} has no EOS token; the data packer needs one to separate documents. "
+                         "Set `eos_token` in its tokenizer_config.json or train one with scripts/train_tokenizer.py")
+    return tokenizer
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short content hash of a tokenizer (vocabulary, merges, normalisation, special ids), for fingerprints."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        payload = backend.to_str()
+    else:
+        payload = json.dumps(sorted(tokenizer.get_vocab().items()))
+    payload += json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id])
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]

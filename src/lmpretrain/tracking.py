@@ -1,0 +1,508 @@
+"""Experiment tracking: W&B through accelerate's trackers, ``metrics.jsonl``, console helpers.
+
+One :class:`Tracker` per run. The main process writes ``<output_dir>/metrics.jsonl`` (one JSON object
+per optimizer step, the same keys as W&B) and ``samples.jsonl``, and owns the W&B run; other ranks do
+nothing. W&B files go under ``<output_dir>/wandb/`` (offline runs in ``offline-run-*/``).
+
+Resume: pass the run id stored in the checkpoint and the checkpoint's step. The same W&B run is
+continued (``resume="allow"``); ``metrics.jsonl`` keeps only rows up to the checkpoint (later rows are
+redone), and steps W&B has already received are not sent again, so W&B steps never go backwards or
+repeat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib.metadata
+import json
+import logging
+import math
+import netrc
+import os
+import platform
+import re
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from lmpretrain.wandb_offline import wait_until_complete
+
+logger = logging.getLogger(__name__)
+
+WANDB_MODES = ("online", "offline", "disabled")
+SAMPLES_TABLE_KEY = "eval/samples"
+REDACTED = "<redacted>"
+
+# --------------------------------------------------------------------------------------------
+# Secrets
+# --------------------------------------------------------------------------------------------
+
+# A key is secret when one of its "_"-separated words is one of these (hf_token, api_key, ...).
+_SECRET_KEY = re.compile(
+    r"(^|_)(api_?key|apikey|token|auth_?token|access_?token|secret|secret_?key|password|passwd|"
+    r"credentials?|private_?key|access_?key)($|_)"
+)
+# ... but not ids/counts of tokens, nor a tokenizer's special tokens, which are plain strings.
+_NOT_SECRET_KEY = re.compile(r"(_ids?|_len|_length|_count|_size|_index)$|^(bos|eos|pad|unk|sep|cls|mask)_token$")
+_SECRET_ENV = re.compile(r"(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+
+
+def is_secret_key(key: str) -> bool:
+    """Whether a config key name looks like it holds a credential."""
+    k = key.lower().replace("-", "_").replace(".", "_")
+    return bool(_SECRET_KEY.search(k)) and not _NOT_SECRET_KEY.search(k)
+
+
+def secret_env_values() -> list[str]:
+    """Values (>= 8 chars) of environment variables whose names look secret, WANDB_API_KEY first."""
+    values = [os.environ.get("WANDB_API_KEY", "")]
+    values += [v for k, v in os.environ.items() if _SECRET_ENV.search(k)]
+    return sorted({v for v in values if len(v) >= 8}, key=len, reverse=True)
+
+
+def scrub_secrets(obj: Any, secrets: list[str] | None = None) -> Any:
+    """A copy of ``obj`` with secret-looking keys and any secret environment value redacted."""
+    secrets = secret_env_values() if secrets is None else secrets
+    if isinstance(obj, Mapping):
+        return {
+            k: REDACTED if is_secret_key(str(k)) and obj[k] not in (None, "") else scrub_secrets(obj[k], secrets)
+            for k in obj
+        }
+    if isinstance(obj, (list, tuple)):
+        return [scrub_secrets(v, secrets) for v in obj]
+    if isinstance(obj, str):
+        for s in secrets:
+            if s in obj:
+                obj = obj.replace(s, REDACTED)
+    return obj
+
+
+def jsonable(obj: Any) -> Any:
+    """Plain JSON types for a config tree (dataclasses, paths, dtypes, enums, numpy/torch scalars)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, enum.Enum):
+        return jsonable(obj.value)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        try:
+            return obj.item()
+        except (ValueError, RuntimeError):
+            pass
+    return str(obj)
+
+
+# --------------------------------------------------------------------------------------------
+# W&B mode
+# --------------------------------------------------------------------------------------------
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in WANDB_MODES:
+        raise ValueError(f"logging.wandb_mode must be one of {WANDB_MODES}, got {mode!r}")
+
+
+def wandb_log_with(mode: str) -> list[str] | None:
+    """``log_with`` for ``Accelerator``: ``["wandb"]`` unless W&B is disabled (config or WANDB_MODE)."""
+    _check_mode(mode)
+    if mode == "disabled" or os.environ.get("WANDB_MODE") == "disabled":
+        return None
+    return ["wandb"]
+
+
+def wandb_base_url() -> str:
+    """The W&B server from W&B's own settings (env WANDB_BASE_URL, settings files, default)."""
+    if os.environ.get("WANDB_BASE_URL"):
+        return os.environ["WANDB_BASE_URL"]
+    try:
+        import wandb
+
+        return str(wandb.setup().settings.base_url)
+    except Exception:  # any failure here only means "use the default"
+        return "https://api.wandb.ai"
+
+
+def has_wandb_credentials(base_url: str | None = None) -> bool:
+    """An API key in WANDB_API_KEY, an identity token file, or a .netrc entry for the W&B host."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(base_url or wandb_base_url()).netloc
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        entries = netrc.netrc(path)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    for machine in {host, "api.wandb.ai"}:
+        auth = entries.authenticators(machine) if machine else None
+        if auth and auth[2]:
+            return True
+    return False
+
+
+def can_reach(url: str, timeout: float = 2.0) -> bool:
+    """TCP connect to the URL's host within ``timeout`` seconds, DNS included (thread-bounded)."""
+    parts = urlsplit(url)
+    host = parts.hostname
+    if not host:
+        return False
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)  # getaddrinfo ignores socket timeouts; the join bounds it
+    return bool(result and result[0])
+
+
+def resolve_wandb_mode(mode: str, probe_timeout: float = 2.0) -> str:
+    """The W&B mode a run really uses: ``online`` drops to ``offline`` without key or network."""
+    _check_mode(mode)
+    env_mode = os.environ.get("WANDB_MODE")
+    if mode == "disabled" or env_mode == "disabled":
+        return "disabled"
+    if mode == "offline":
+        return "offline"
+    reason = None
+    if env_mode in ("offline", "dryrun"):
+        reason = f"WANDB_MODE={env_mode} is set in the environment"
+    elif not has_wandb_credentials():
+        reason = "no W&B API key (set WANDB_API_KEY or run `wandb login`)"
+    else:
+        url = wandb_base_url()
+        if not can_reach(url, probe_timeout):
+            reason = f"cannot reach {url} within {probe_timeout:g} s"
+    if reason:
+        logger.warning("W&B: %s -> logging offline; sync later with `wandb sync <output_dir>/wandb/offline-run-*`", reason)
+        return "offline"
+    return "online"
+
+
+# --------------------------------------------------------------------------------------------
+# Run metadata
+# --------------------------------------------------------------------------------------------
+
+
+def package_versions() -> dict[str, str | None]:
+    """Versions of python and the packages a run depends on (None when not installed)."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "accelerate", "datasets", "tokenizers", "wandb"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def git_commit(path: str | os.PathLike | None = None) -> str | None:
+    """HEAD commit of the git checkout holding ``path`` (default: this package), with ``-dirty``."""
+    cwd = Path(path) if path is not None else Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd, capture_output=True, text=True, timeout=5, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}-dirty" if dirty else head or None
+
+
+# --------------------------------------------------------------------------------------------
+# jsonl files
+# --------------------------------------------------------------------------------------------
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Rows of a jsonl file; a torn last line (a crash mid-write) is skipped with a warning."""
+    rows = []
+    path = Path(path)
+    if not path.exists():
+        return rows
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                logger.warning("%s: ignoring a torn last line", path)
+            else:
+                raise ValueError(f"{path}:{i + 1} is not valid JSON") from None
+    return rows
+
+
+def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _scalar(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):  # 0-d tensors, numpy scalars
+        value = value.item()
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Tracker
+# --------------------------------------------------------------------------------------------
+
+
+class Tracker:
+    """W&B (through accelerate) + ``metrics.jsonl`` + ``samples.jsonl`` for one run; see module doc."""
+
+    def __init__(
+        self,
+        accelerator: Any,
+        *,
+        output_dir: str | os.PathLike,
+        project: str,
+        mode: str,
+        run_name: str | None,
+        group: str | None,
+        run_config: dict,
+        run_id: str | None = None,
+        resume_step: int | None = None,
+    ) -> None:
+        _check_mode(mode)
+        self.accelerator = accelerator
+        self.output_dir = Path(output_dir)
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        self.samples_path = self.output_dir / "samples.jsonl"
+        self.mode = "disabled"  # the mode really used, set below on the main process
+        self._is_main = accelerator.is_main_process
+        self._run = None
+        self._run_id = run_id
+        self._wandb_sent_upto: int | None = None  # W&B already holds steps <= this
+        self._metrics_file = None
+        self._last: tuple[int, dict, int] | None = None  # (step, row, byte offset) of the last line
+        self._finished = False
+        self._secrets = secret_env_values()  # never written anywhere, even inside a logged string
+        if self._is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._wandb_sent_upto = self._prepare_file(self.metrics_path, resume_step)
+            self._prepare_file(self.samples_path, resume_step)
+            self._open_metrics()
+            self.mode = resolve_wandb_mode(mode)
+            if self.mode != "disabled":
+                self._start_wandb(project, run_name, group, run_config, run_id)
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            self._run_id = broadcast_object_list([self._run_id], from_process=0)[0]
+
+    @property
+    def run_id(self) -> str | None:
+        """W&B run id to store in checkpoints (None when W&B is disabled)."""
+        return self._run_id
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def _prepare_file(self, path: Path, resume_step: int | None) -> int | None:
+        """Keep rows with step <= resume_step (atomically); return the old file's highest step."""
+        rows = read_jsonl(path)
+        if not rows:
+            return None
+        if resume_step is None:
+            old = path.with_name(path.name + ".prev")
+            os.replace(path, old)
+            logger.warning("%s existed but this is a fresh run: moved it to %s", path, old)
+            return None
+        _write_jsonl_atomic(path, [r for r in rows if r["step"] <= resume_step])
+        return max(r["step"] for r in rows)
+
+    def _open_metrics(self) -> None:
+        self._metrics_file = open(self.metrics_path, "ab")
+        rows = read_jsonl(self.metrics_path)
+        if rows:  # resuming: a log at the step of the last kept row merges into that row
+            data = self.metrics_path.read_bytes()
+            self._last = (rows[-1]["step"], rows[-1], data.rfind(b"\n", 0, len(data) - 1) + 1)
+
+    def _start_wandb(self, project, run_name, group, run_config, run_id) -> None:
+        if not any(str(t) == "wandb" or getattr(t, "name", None) == "wandb" for t in self.accelerator.log_with):
+            raise ValueError(
+                "W&B mode is not 'disabled' but the Accelerator was built without W&B: create it with "
+                "Accelerator(log_with=lmpretrain.tracking.wandb_log_with(mode))"
+            )
+        init = {"dir": str(self.output_dir), "mode": self.mode, "name": run_name, "group": group}
+        if run_id is not None:
+            init.update(id=run_id, resume="allow")
+        config = scrub_secrets(jsonable(run_config), self._secrets)
+        self.accelerator.init_trackers(project, config=config, init_kwargs={"wandb": init})
+        self._run = self.accelerator.get_tracker("wandb", unwrap=True)
+        self._run_id = self._run.id
+        # Tokens seen as a second x-axis for every metric family (step stays the default one).
+        self._run.define_metric("train/tokens_seen")
+        for family in ("train", "eval", "perf"):
+            self._run.define_metric(f"{family}/*", step_metric="train/tokens_seen")
+        self._run.define_metric("eval/loss", step_metric="train/tokens_seen", summary="min")
+
+    # -- logging ---------------------------------------------------------------------------------
+
+    def _to_wandb(self, step: int) -> bool:
+        return self._run is not None and (self._wandb_sent_upto is None or step > self._wandb_sent_upto)
+
+    def log(self, metrics: dict, step: int) -> None:
+        """One row per step in metrics.jsonl (same-step calls merge) and the same keys to W&B."""
+        if not self._is_main:
+            return
+        step = int(step)
+        values = {k: scrub_secrets(_scalar(v), self._secrets) for k, v in metrics.items()}
+        f = self._metrics_file
+        if self._last is not None and step < self._last[0]:
+            raise ValueError(f"metrics step went backwards: {step} after {self._last[0]}")
+        if self._last is not None and step == self._last[0]:
+            row, offset = {**self._last[1], **values, "_timestamp": time.time()}, self._last[2]
+            f.truncate(offset)
+        else:
+            row, offset = {"step": step, **values, "_timestamp": time.time()}, f.seek(0, os.SEEK_END)
+        f.write((json.dumps(row, default=str) + "\n").encode())
+        f.flush()
+        self._last = (step, row, offset)
+        if self._to_wandb(step):
+            self.accelerator.log(values, step=step)
+
+    def log_samples(self, step: int, rows: list[tuple[str, str]]) -> None:
+        """Sample generations: a W&B Table (step, prompt, generation) and lines in samples.jsonl."""
+        if not self._is_main:
+            return
+        rows = [scrub_secrets((str(p), str(g)), self._secrets) for p, g in rows]
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            for prompt, generation in rows:
+                f.write(json.dumps({"step": int(step), "prompt": prompt, "generation": generation}) + "\n")
+        if self._to_wandb(step):
+            import wandb
+
+            table = wandb.Table(columns=["step", "prompt", "generation"],
+                                data=[[int(step), p, g] for p, g in rows])
+            self.accelerator.log({SAMPLES_TABLE_KEY: table}, step=int(step))
+
+    def finish(self, exit_code: int | None = None) -> None:
+        """Close the files and finish the W&B run (idempotent; does not end accelerate's training)."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+        if self._run is not None:
+            tracker = self.accelerator.get_tracker("wandb")
+            sync_file = self._run.settings.sync_file
+            self._run.finish(exit_code=exit_code)
+            if self.mode == "offline" and not wait_until_complete(sync_file):
+                logger.warning("W&B: %s is still incomplete 30 s after finish()", sync_file)
+            # accelerator.end_training() would finish it again; it is done.
+            self.accelerator.trackers.remove(tracker)
+            self._run = None
+
+
+# --------------------------------------------------------------------------------------------
+# Console
+# --------------------------------------------------------------------------------------------
+
+
+class ConsoleWarnings:
+    """Warnings said once per kind: clipping on every step, skipped fp16 steps, loss spikes."""
+
+    def __init__(
+        self,
+        printer: Callable[[str], Any] = print,
+        *,
+        spike_sigma: float = 4.0,
+        window: int = 50,
+        min_window: int = 10,
+        clip_streak: int = 20,
+    ) -> None:
+        self.printer = printer
+        self.spike_sigma = spike_sigma
+        self.min_window = min_window
+        self.clip_streak = clip_streak
+        self.said: set[str] = set()
+        self._losses: deque[float] = deque(maxlen=window)
+        self._clipped_run = 0
+
+    def _say(self, kind: str, message: str) -> None:
+        if kind not in self.said:
+            self.said.add(kind)
+            self.printer(f"warning: {message} (said once)")
+
+    def observe(self, step: int, loss: float, clipped: bool = False, skipped: bool = False) -> None:
+        """Feed one optimizer step; prints each kind of warning the first time it happens."""
+        loss = float(loss)
+        self._clipped_run = self._clipped_run + 1 if clipped else 0
+        if self._clipped_run >= self.clip_streak:
+            self._say("clipping", f"the gradient was clipped on each of the last {self._clipped_run} steps "
+                                  f"(step {step}): max_grad_norm may be too low or the lr too high")
+        if skipped:
+            self._say("skipped", f"step {step} was skipped: inf/nan gradients under fp16 loss scaling "
+                                 "(train/skipped_steps counts them)")
+        if not math.isfinite(loss):
+            self._say("nonfinite", f"loss is {loss} at step {step}")
+            return
+        if len(self._losses) >= self.min_window:
+            mean = sum(self._losses) / len(self._losses)
+            std = math.sqrt(sum((x - mean) ** 2 for x in self._losses) / len(self._losses))
+            if std > 0 and loss > mean + self.spike_sigma * std:
+                self._say("spike", f"loss spike at step {step}: {loss:.4f} is more than "
+                                   f"{self.spike_sigma:g} sigma above the last {len(self._losses)} steps' "
+                                   f"mean {mean:.4f} (sigma {std:.4f})")
+        self._losses.append(loss)
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def format_log_line(step: int, metrics: Mapping[str, Any], max_steps: int | None = None) -> str:
+    """A concise console line from the logged metrics (only the keys present are shown)."""
+    m = {k: _scalar(v) for k, v in metrics.items()}
+    parts = [f"step {step}/{max_steps}" if max_steps else f"step {step}"]
+    if "train/loss" in m:
+        parts.append(f"loss {m['train/loss']:.4f}")
+    if "train/lr" in m:
+        parts.append(f"lr {m['train/lr']:.2e}")
+    if "train/grad_norm" in m:
+        parts.append(f"gnorm {m['train/grad_norm']:.3g}" + (" (clipped)" if m.get("train/clipped") else ""))
+    if "perf/tokens_per_s" in m:
+        parts.append(f"{_si(m['perf/tokens_per_s'])} tok/s")
+    if "perf/mfu" in m:
+        parts.append(f"mfu {100 * m['perf/mfu']:.1f}%")
+    if "perf/data_wait_frac" in m:
+        parts.append(f"data wait {100 * m['perf/data_wait_frac']:.0f}%")
+    if "perf/peak_mem_bytes" in m:
+        parts.append(f"mem {m['perf/peak_mem_bytes'] / 2**30:.2f} GiB")
+    if m.get("train/skipped_steps"):
+        parts.append(f"skipped {m['train/skipped_steps']}")
+    if "eval/loss" in m:
+        parts.append(f"eval loss {m['eval/loss']:.4f}" + (f" ppl {m['eval/ppl']:.2f}" if "eval/ppl" in m else ""))
+    if "train/tokens_seen" in m:
+        parts.append(f"{_si(m['train/tokens_seen'])} tokens")
+    return " | ".join(parts)

@@ -1,0 +1,65 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+# ---- data fixtures (tiny corpora, a small tokenizer, an isolated corpus cache) ---------------------------
+
+_WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+          "upsilon phi chi psi omega def return class import for while if else None True False").split()
+
+
+def make_doc(tag: str, rng: random.Random, max_words: int = 60) -> str:
+    """A document that names itself (`tag`) so tests can recognise it after tokenization."""
+    words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, max_words)))
+    return f"<{tag}> {words}\n"
+
+
+def write_jsonl_shards(folder, docs_per_shard: list[int], *, prefix: str = "shard", seed: int = 0,
+                       field: str = "text") -> list[str]:
+    """JSONL shards with `docs_per_shard[i]` documents each; returns the file paths."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, n in enumerate(docs_per_shard):
+        path = folder / f"{prefix}-{i:03d}.jsonl"
+        with open(path, "w", encoding="utf-8") as f:
+            for k in range(n):
+                f.write(json.dumps({field: make_doc(f"{prefix}{i}.{k}", rng), "id": k}) + "\n")
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer(tmp_path_factory):
+    """A real byte-level BPE (vocab 320) trained once per session on text like the tiny corpora."""
+    from lmpretrain.tokenizer import train_bpe
+
+    rng = random.Random(123)
+    texts = [make_doc(f"shard{i % 7}.{i}", rng) for i in range(400)]
+    return train_bpe(texts, vocab_size=320, out_dir=tmp_path_factory.mktemp("small_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def stdlib_cache(tmp_path_factory):
+    """An isolated LMPRETRAIN_CACHE holding the default corpus and builtin tokenizer (built once per session)."""
+    from lmpretrain import corpus
+    from lmpretrain.tokenizer import ensure_builtin_tokenizer
+
+    root = tmp_path_factory.mktemp("lmpretrain_cache")
+    old = os.environ.get("LMPRETRAIN_CACHE")
+    os.environ["LMPRETRAIN_CACHE"] = str(root)
+    try:
+        corpus.ensure_stdlib_corpus()
+        ensure_builtin_tokenizer()
+        yield root
+    finally:
+        if old is None:
+            del os.environ["LMPRETRAIN_CACHE"]
+        else:
+            os.environ["LMPRETRAIN_CACHE"] = old

@@ -1,0 +1,125 @@
+"""Run recipes/pretrain.py the way users do (python, or `accelerate launch` with a shipped launch
+config) in real subprocesses, and read back what a run leaves on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "pretrain.py"
+SMOKE = ROOT / "configs" / "smoke.yaml"
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+# Fast, quiet defaults for test runs: no sample generation unless a test asks for it.
+QUICK = ["--eval.sample_tokens=0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for_runs(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "WANDB_API"))}
+    env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1",
+               WANDB_SILENT="true")
+    env.update(extra or {})
+    return env
+
+
+def command(out_dir, *overrides, launch: str | None = "cpu", launch_args=(), config=SMOKE) -> list[str]:
+    """`launch=None` runs plain python; otherwise `accelerate launch --config_file configs/accelerate/<launch>.yaml`."""
+    recipe = [str(RECIPE), str(config), f"--run.output_dir={out_dir}", *overrides]
+    if launch is None:
+        return [sys.executable, *recipe]
+    cfg = ROOT / "configs" / "accelerate" / f"{launch}.yaml"
+    port = [] if "--main_process_port" in launch_args else ["--main_process_port", str(free_port())]
+    return [str(ACCELERATE), "launch", "--config_file", str(cfg), *port, *launch_args, *recipe]
+
+
+@dataclass
+class Run:
+    out: Path
+    returncode: int
+    output: str
+
+    def metrics(self) -> list[dict]:
+        return read_metrics(self.out)
+
+    def losses(self) -> dict[int, float]:
+        return {r["step"]: r["train/loss"] for r in self.metrics()}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return load_file(self.out / "final" / "model.safetensors")
+
+
+def run(out_dir, *overrides, launch="cpu", launch_args=(), env=None, timeout=600, check=True, config=SMOKE) -> Run:
+    proc = subprocess.run(
+        command(out_dir, *overrides, launch=launch, launch_args=launch_args, config=config),
+        cwd=ROOT, env=env_for_runs(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=timeout,
+    )
+    result = Run(Path(out_dir), proc.returncode, proc.stdout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"recipe exited {proc.returncode}:\n{proc.stdout[-6000:]}")
+    return result
+
+
+def start(out_dir, *overrides, launch="cpu", env=None, config=SMOKE, log=None) -> subprocess.Popen:
+    """Start a run in its own process group (so a test can signal the launcher and all ranks)."""
+    return subprocess.Popen(
+        command(out_dir, *overrides, launch=launch, config=config), cwd=ROOT, env=env_for_runs(env),
+        stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def wait_for_step(proc: subprocess.Popen, out_dir, step: int, timeout: float = 300) -> int:
+    """Poll metrics.jsonl until the run has logged `step`; returns the last logged step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = read_metrics(out_dir)
+        if rows and rows[-1]["step"] >= step:
+            return rows[-1]["step"]
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) before step {step}")
+        time.sleep(0.01)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def kill_group(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
+    os.killpg(proc.pid, sig)
+
+
+def read_metrics(out_dir) -> list[dict]:
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            break
+    return rows
+
+
+def file_sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest relative L2 difference over the parameter tensors of two state dicts."""
+    assert a.keys() == b.keys()
+    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30)).item() for k in a)

@@ -1,0 +1,128 @@
+"""scripts/compare_runs.py and lmpretrain.runs: table, config diff, PNG, --assert-close, --wandb."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+from lmpretrain.runs import check_close, config_diff, curve_distance, flatten, load_run, load_runs, summarize
+from lmpretrain.tracking import Tracker, wandb_log_with
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "compare_runs.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_run_dir(path: Path, lr: float, loss_shift: float = 0.0, steps: int = 20, seed: int = 0) -> Path:
+    """A run directory as the recipe leaves it: metrics.jsonl (train rows, eval every 5) + config.yaml."""
+    path.mkdir(parents=True)
+    rows = []
+    for step in range(1, steps + 1):
+        row = {"step": step, "train/loss": 6.0 * math.exp(-step / 10) + 1 + loss_shift, "train/lr": lr,
+               "train/tokens_seen": 512 * step, "perf/tokens_per_s": 1000.0 + step, "_timestamp": 1000.0 + 2 * step}
+        if step % 5 == 0:
+            row.update({"eval/loss": 6.5 * math.exp(-step / 12) + 1.2 + loss_shift})
+        rows.append(row)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {"run": {"output_dir": str(path), "seed": seed}, "optim": {"lr": lr, "min_lr": 1e-5},
+              "model": {"type": "llama", "overrides": {"hidden_size": 64}}}
+    (path / "config.yaml").write_text(yaml.safe_dump(config))
+    return path
+
+
+def compare(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_table_diff_plot_and_assert_close_pass_for_identical_runs(tmp_path):
+    a = make_run_dir(tmp_path / "a", lr=1e-3)
+    b = make_run_dir(tmp_path / "b", lr=1e-3)
+    png = tmp_path / "plots" / "loss.png"
+    result = compare(a, b, "--plot", png, "--assert-close", "1e-9")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    header = out.splitlines()[0]
+    for title in ("run", "steps", "final train loss", "final eval loss", "best eval loss", "tokens/s (median)",
+                  "wall time (s)"):
+        assert title in header
+    final_train = f"{6.0 * math.exp(-2) + 1:.4f}"
+    assert out.splitlines()[2].split()[:3] == ["a", "20", final_train]
+    assert "38.0" in out.splitlines()[2]  # wall time: timestamps 1002 .. 1040
+    # only the key that differs: run.output_dir
+    diff_lines = [line for line in out.splitlines() if line.startswith("run.output_dir")]
+    assert len(diff_lines) == 1 and "optim.lr" not in out
+    assert "loss curves agree within 1e-09" in out
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+
+
+def test_assert_close_fails_for_different_learning_rates(tmp_path):
+    a = make_run_dir(tmp_path / "a", lr=1e-3)
+    b = make_run_dir(tmp_path / "b", lr=3e-3, loss_shift=0.05)
+    result = compare(a, b, "--plot", tmp_path / "p.png", "--assert-close", "0.01")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "NOT CLOSE: a vs b: max |diff| of train/loss = 0.05" in result.stdout
+    assert any(line.startswith("optim.lr") and "0.001" in line and "0.003" in line
+               for line in result.stdout.splitlines())
+    assert compare(a, b, "--plot", tmp_path / "p.png", "--assert-close", "0.1").returncode == 0
+    assert compare(a, b, "--plot", tmp_path / "p.png").returncode == 0  # no check asked
+
+
+def test_library_pieces(tmp_path):
+    a = load_run(make_run_dir(tmp_path / "x" / "run", lr=1e-3, steps=10))
+    b = load_run(make_run_dir(tmp_path / "y" / "run", lr=1e-3, steps=20, seed=1))
+    assert curve_distance(a, b) == (0.0, 10)  # common steps only
+    assert config_diff([a, b]) == {"run.output_dir": [str(a.path), str(b.path)], "run.seed": [0, 1]}
+    assert [r.name for r in load_runs([a.path, b.path])] == [str(a.path), str(b.path)]  # same folder name
+    s = summarize(b)
+    assert s["steps"] == 20 and s["best_eval_loss"] == pytest.approx(6.5 * math.exp(-20 / 12) + 1.2)
+    assert s["tokens_per_s_median"] == pytest.approx(1010.5)
+    lone = load_run(make_run_dir(tmp_path / "z", lr=1e-3))
+    lone.rows = [{"step": 100, "train/loss": 1.0}]
+    assert check_close([a, lone], 1.0) == ["run vs z: no common steps with train/loss"]
+    nan_run = load_run(make_run_dir(tmp_path / "w", lr=1e-3))
+    nan_run.rows[0]["train/loss"] = float("nan")
+    assert curve_distance(a, nan_run)[0] == math.inf
+    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
+    with pytest.raises(FileNotFoundError, match="--wandb"):
+        load_run(tmp_path / "missing")
+
+
+def test_wandb_source_reads_real_offline_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run_dirs = []
+    try:
+        for name, lr in (("lr1", 1e-3), ("lr3", 3e-3)):
+            out = tmp_path / name
+            tracker = Tracker(Accelerator(log_with=wandb_log_with("offline"), cpu=True), output_dir=out,
+                              project="cmp", mode="offline", run_name=name, group="g",
+                              run_config={"optim": {"lr": lr}, "seed": 0})
+            for step in range(1, 11):
+                tracker.log({"train/loss": 3.0 / step + lr, "train/tokens_seen": 100 * step}, step)
+                if step % 5 == 0:
+                    tracker.log({"eval/loss": 3.5 / step + lr}, step)
+            tracker.finish()
+            run_dirs.append(out)
+    finally:
+        AcceleratorState._reset_state(True)
+
+    from_wandb = [load_run(d, source="wandb") for d in run_dirs]
+    from_jsonl = [load_run(d) for d in run_dirs]
+    for w, j in zip(from_wandb, from_jsonl, strict=True):
+        assert [r["step"] for r in w.rows] == [r["step"] for r in j.rows] == list(range(1, 11))
+        assert [r["train/loss"] for r in w.rows] == [r["train/loss"] for r in j.rows]
+        assert w.rows[4]["eval/loss"] == j.rows[4]["eval/loss"]
+    assert config_diff(from_wandb) == {"optim.lr": [1e-3, 3e-3]}  # no config.yaml: W&B's config
+
+    png = tmp_path / "w.png"
+    result = compare(*run_dirs, "--wandb", "--plot", png, "--assert-close", "1e-3")
+    assert result.returncode == 1 and "max |diff| of train/loss = 0.002" in result.stdout
+    assert png.stat().st_size > 10_000

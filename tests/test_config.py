@@ -1,0 +1,120 @@
+"""Config loading: YAML + overrides, unknown keys with suggestions, types, and cross-field rules."""
+
+import pytest
+
+from lmpretrain.config import ConfigError, config_problems, load_config, model_problems, parse_overrides
+from lmpretrain.model import build_model_config
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_then_overrides_typed(tmp_path):
+    path = write(tmp_path, "train:\n  max_steps: 10\noptim:\n  lr: 1e-3\n")
+    cfg = load_config([path, "--train.max_steps=30", "--optim.min_lr", "2e-5", "--data.shuffle=false",
+                       "--model.overrides.hidden_size=32"])
+    assert cfg.train.max_steps == 30
+    assert cfg.optim.lr == pytest.approx(1e-3)  # PyYAML reads 1e-3 as a string; coerced to float
+    assert cfg.optim.min_lr == pytest.approx(2e-5)
+    assert cfg.data.shuffle is False
+    assert cfg.model.overrides == {"hidden_size": 32}
+    assert cfg.config_path == path
+
+
+def test_unknown_keys_and_wrong_types_are_reported_together(tmp_path):
+    path = write(tmp_path, "train:\n  max_step: 10\n  micro_batch_size: four\noptim:\n  lrr: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([path, "--logging.wandb_mod=offline"])
+    text = str(err.value)
+    assert len(err.value.problems) == 4, text
+    assert "unknown key 'train.max_step'; did you mean 'max_steps'?" in text
+    assert "unknown key 'optim.lrr'; did you mean 'lr'?" in text
+    assert "unknown key 'logging.wandb_mod'; did you mean 'wandb_mode'?" in text
+    assert "train.micro_batch_size: expected int, got 'four'" in text
+
+
+def test_unknown_section_and_source_keys(tmp_path):
+    path = write(tmp_path, "trian:\n  max_steps: 1\ndata:\n  train: [{name: python-stdlib, splitt: train}]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([path])
+    text = str(err.value)
+    assert "unknown key 'trian'; did you mean 'train'?" in text
+    assert "unknown key 'data.train[0].splitt'; did you mean 'split'?" in text
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="has no value"):
+        parse_overrides(["--train.max_steps"])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_overrides(["train.max_steps=3"])
+    assert parse_overrides(["--a.b=1", "--a.c", "x"]) == {"a": {"b": 1, "c": "x"}}
+
+
+def test_missing_config_file_is_clear(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config([str(tmp_path / "nope.yaml")])
+
+
+def test_every_cross_field_rule_is_reported_at_once(tmp_path):
+    path = write(
+        tmp_path,
+        "train:\n  max_steps: 10\n  micro_batch_size: 0\n  precision: fp8\n"
+        "optim:\n  lr: 1.0e-3\n  min_lr: 1.0e-2\n  warmup_steps: 10\n"
+        "data:\n  num_streams: 3\n  seq_len: 1\n"
+        "logging:\n  wandb_mode: cloud\n",
+    )
+    problems = config_problems(load_config([path]), world_size=2)
+    text = "\n".join(problems)
+    assert "train.precision='fp8' must be one of no, bf16, fp16" in text
+    assert "logging.wandb_mode='cloud'" in text
+    assert "train.micro_batch_size must be >= 1" in text
+    assert "optim.warmup_steps=10 must be < train.max_steps=10" in text
+    assert "optim.min_lr=0.01 must be between 0 and optim.lr=0.001" in text
+    assert "data.num_streams=3 must be a multiple of the world size 2" in text
+    assert "data.seq_len must be >= 2" in text
+    assert len(problems) == 7
+
+
+def test_workers_bounded_by_streams_per_rank(tmp_path):
+    cfg = load_config([write(tmp_path, "data:\n  num_streams: 4\n  num_workers: 3\n")])
+    assert any("data.num_workers=3 exceeds the 2 streams" in p for p in config_problems(cfg, world_size=2))
+    assert config_problems(cfg, world_size=1) == []
+
+
+class FakeVocab:
+    """Stands in for a tokenizer only where the rule needs len() and eos: a real one is tested elsewhere."""
+
+    def __init__(self, n, eos=1):
+        self.n, self.eos_token_id = n, eos
+
+    def __len__(self):
+        return self.n
+
+
+def test_model_rules_seq_len_and_vocab(tmp_path):
+    cfg = load_config([write(
+        tmp_path,
+        "model:\n  type: llama\n  overrides: {max_position_embeddings: 128, vocab_size: 1000}\n"
+        "data:\n  seq_len: 256\n",
+    )])
+    problems = model_problems(cfg, build_model_config(cfg.model), FakeVocab(2000, eos=None))
+    text = "\n".join(problems)
+    assert "data.seq_len=256 exceeds the model's 128 positions" in text
+    assert "has 2000 tokens but the model's vocab_size is 1000" in text
+    assert "has no EOS token" in text
+
+
+def test_gpt2_positions_are_checked_through_the_attribute_map(tmp_path):
+    cfg = load_config([write(tmp_path, "model:\n  type: gpt2\n  overrides: {n_positions: 64}\ndata:\n  seq_len: 65\n")])
+    problems = model_problems(cfg, build_model_config(cfg.model), FakeVocab(100))
+    assert problems == ["data.seq_len=65 exceeds the model's 64 positions "
+                        "(raise model.overrides.max_position_embeddings / n_positions, or lower data.seq_len)"]
+
+
+def test_unknown_model_override_names_the_nearest_field(tmp_path):
+    cfg = load_config([write(tmp_path, "model:\n  type: llama\n  overrides: {hiden_size: 32}\n")])
+    with pytest.raises(ValueError, match="model.overrides.hiden_size \\(did you mean 'hidden_size'\\?\\)"):
+        build_model_config(cfg.model)

@@ -1,0 +1,123 @@
+"""FLOPs per token against hand counts and the real models' weights; peak FLOP/s; MFU."""
+
+import math
+import time
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from lmpretrain.flops import (
+    gpu_table_key,
+    matmul_params_per_token,
+    measure_peak_flops,
+    mfu,
+    peak_flops,
+    table_peak,
+    train_flops_per_token,
+)
+
+GPT2_124M = GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
+# Llama 3.2 1B shape: GQA with 32 query heads and 8 key/value heads of 64 dims, tied embeddings.
+LLAMA_1B = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
+
+
+def test_gpt2_124m_hand_count():
+    d, layers, seq = 768, 12, 1024
+    # per layer: c_attn 768 x 2304 = 1,769,472; attn c_proj 768 x 768 = 589,824;
+    #            c_fc 768 x 3072 = 2,359,296;  mlp c_proj 3072 x 768 = 2,359,296  -> 7,077,888
+    per_layer = 1_769_472 + 589_824 + 2_359_296 + 2_359_296
+    assert per_layer == 7_077_888
+    lm_head = 768 * 50257  # 38,597,376 (tied with wte, but still a matmul per token)
+    params = 12 * per_layer + lm_head  # 84,934,656 + 38,597,376
+    assert params == 123_532_032
+    attention = 2 * 2 * layers * seq * d  # QK^T and AV over 1024 keys: 37,748,736
+    forward = 2 * params + attention  # 247,064,064 + 37,748,736 = 284,812,800
+    assert forward == 284_812_800
+    assert train_flops_per_token(GPT2_124M, seq) == 3 * forward == 854_438_400
+    assert matmul_params_per_token(GPT2_124M) == (params, layers, d)
+    # PaLM's closed form 6N + 12 L H Q T says the same
+    assert train_flops_per_token(GPT2_124M, seq) == 6 * params + 12 * layers * 12 * 64 * seq
+
+
+def test_llama_gqa_hand_count():
+    seq = 2048
+    # per layer: q 2048 x 2048 = 4,194,304; k and v 2048 x 512 = 1,048,576 each; o 4,194,304
+    attn = 4_194_304 + 2 * 1_048_576 + 4_194_304  # 10,485,760
+    mlp = 3 * 2048 * 8192  # gate, up, down: 50,331,648
+    per_layer = attn + mlp
+    assert per_layer == 60_817_408
+    params = 16 * per_layer + 2048 * 128256  # 973,078,528 + 262,668,288
+    assert params == 1_235_746_816
+    attention = 2 * 2 * 16 * seq * (32 * 64)  # query heads x head_dim = 2048: 268,435,456
+    assert train_flops_per_token(LLAMA_1B, seq) == 3 * (2 * params + attention) == 8_219_787_264
+
+
+@pytest.mark.parametrize("config", [GPT2_124M, LLAMA_1B], ids=["gpt2", "llama"])
+def test_matmul_params_equal_the_real_models_matmul_weights(config):
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config) if config.model_type == "gpt2" else LlamaForCausalLM(config)
+    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    # every >= 2-D weight except embedding tables is a matmul per token; the LM head always is one
+    weights = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings)
+    head = model.lm_head.weight.numel()
+    tied = id(model.lm_head.weight) in embeddings
+    assert matmul_params_per_token(config)[0] == weights + (head if tied else 0)
+
+
+def test_causal_counting_and_dict_configs_and_unsupported_types():
+    full = train_flops_per_token(GPT2_124M, 1024)
+    causal = train_flops_per_token(GPT2_124M, 1024, causal=True)
+    assert full - causal == pytest.approx(3 * 2 * 2 * 12 * (1024 - 1025 / 2) * 768)
+    as_dict = {"model_type": "llama", **LLAMA_1B.to_dict()}
+    assert train_flops_per_token(as_dict, 2048) == train_flops_per_token(LLAMA_1B, 2048)
+    no_head_dim = {**as_dict, "head_dim": None}  # falls back to hidden_size // heads = 64
+    assert train_flops_per_token(no_head_dim, 2048) == train_flops_per_token(LLAMA_1B, 2048)
+    with pytest.raises(ValueError, match="supported are 'gpt2'"):
+        train_flops_per_token({"model_type": "mixtral", "hidden_size": 8}, 16)
+    with pytest.raises(ValueError, match="lacks"):
+        train_flops_per_token({"model_type": "gpt2", "n_embd": 8}, 16)
+
+
+def test_gpu_table_lookup():
+    names = {
+        "NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H100 NVL": "h100-nvl",
+        "NVIDIA H200": "h200-sxm", "NVIDIA H200 NVL": "h200-nvl", "NVIDIA A100-SXM4-80GB": "a100",
+        "NVIDIA A100 80GB PCIe": "a100", "NVIDIA A10G": "a10g", "NVIDIA A10": "a10", "NVIDIA L4": "l4",
+        "NVIDIA L40S": "l40s", "NVIDIA L40": "l40", "NVIDIA GeForce RTX 4090": "rtx-4090",
+        "Tesla V100-SXM2-16GB": "v100-sxm", "Tesla V100-PCIE-32GB": "v100-pcie", "Tesla T4": "t4",
+        "NVIDIA B200": None, "NVIDIA GeForce RTX 3060": None,
+    }
+    for name, key in names.items():
+        assert gpu_table_key(name) == key, name
+    assert table_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12  # dense, not the 1979 sparse figure
+    assert table_peak("NVIDIA H100 80GB HBM3", "no") == 67e12
+    assert table_peak("NVIDIA H100 80GB HBM3", "no", allow_tf32=True) == 494.7e12
+    assert table_peak("NVIDIA A100-SXM4-40GB", "bf16") == 312e12
+    assert table_peak("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores -> measured
+    assert table_peak("NVIDIA B200", "bf16") is None
+
+
+def test_cpu_peak_is_measured_once_positive_and_finite():
+    t0 = time.perf_counter()
+    peak, source = peak_flops("cpu", torch.float32)
+    first = time.perf_counter() - t0
+    assert source == "measured:cpu:float32"
+    assert math.isfinite(peak) and 1e8 < peak < 1e14
+    assert first < 5
+    t0 = time.perf_counter()
+    assert peak_flops("cpu", "no") == (peak, source)  # cached for the run
+    assert time.perf_counter() - t0 < 0.01
+    assert measure_peak_flops.cache_info().hits >= 1
+    bf16, src = peak_flops("cpu", "bf16")
+    assert src == "measured:cpu:bfloat16" and math.isfinite(bf16) and bf16 > 0
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        peak_flops("cpu", torch.int8)
+
+
+def test_mfu():
+    assert mfu(1000.0, 1e9, 1e13) == pytest.approx(0.1)
+    assert mfu(8000.0, 1e9, 1e13, num_devices=8) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        mfu(1.0, 1.0, 0.0)

@@ -1,0 +1,48 @@
+"""Every YAML in configs/ loads, validates and builds its model on the meta device."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lmpretrain.config import config_problems, load_config
+from lmpretrain.flops import train_flops_per_token
+from lmpretrain.model import build_model, build_model_config, parameter_counts
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINING = sorted((ROOT / "configs").glob("*.yaml"))
+LAUNCH = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
+EXPECTED_PARAMS = {  # order of magnitude each recipe promises in its name/comment
+    "smoke": (1e5, 1e6), "default": (1e6, 1e7), "gpt2-124m": (1.2e8, 1.3e8), "llama-1b": (1.0e9, 1.4e9),
+}
+
+
+def test_the_four_recipes_are_shipped():
+    assert {p.stem for p in TRAINING} >= set(EXPECTED_PARAMS)
+
+
+@pytest.mark.parametrize("path", TRAINING, ids=lambda p: p.stem)
+def test_config_loads_validates_and_builds_on_meta(path):
+    cfg = load_config([str(path)])
+    assert config_problems(cfg, world_size=1) == []
+    if any(source.hub for source in cfg.data.train):  # GPU recipes: their comments launch 8 ranks
+        assert config_problems(cfg, world_size=8) == []
+    model_config = build_model_config(cfg.model)
+    assert cfg.data.seq_len <= model_config.max_position_embeddings
+    with torch.device("meta"):
+        model = build_model(model_config)
+    n = parameter_counts(model)["params_total"]
+    low, high = EXPECTED_PARAMS.get(path.stem, (1, float("inf")))
+    assert low <= n <= high, f"{path.stem}: {n:,} parameters"
+    assert train_flops_per_token(model_config, cfg.data.seq_len) > 6 * parameter_counts(model)["params_non_embedding"]
+
+
+@pytest.mark.parametrize("path", LAUNCH, ids=lambda p: p.stem)
+def test_launch_configs_are_parsed_by_accelerate(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    launch = load_config_from_file(str(path))
+    raw = yaml.safe_load(path.read_text())
+    assert launch.num_processes == raw["num_processes"]
+    assert launch.distributed_type.value == raw["distributed_type"]

@@ -17,10 +17,18 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from lmpretrain import runtime
-from lmpretrain.checkpoint import CheckpointError, Checkpointer, check_fingerprint, check_output_dir_writable
+from lmpretrain.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    capture_rng_state,
+    check_fingerprint,
+    check_output_dir_writable,
+    restore_rng_state,
+)
 from lmpretrain.config import ConfigError, config_problems, load_config, model_problems, save_config
 from lmpretrain.data import DataError, TrainStream, heldout_blocks
 from lmpretrain.evaluation import evaluate, generate_sample
@@ -32,7 +40,14 @@ from lmpretrain.precision import MixedPrecision, PrecisionUnavailableError
 from lmpretrain.preemption import PreemptionHandler
 from lmpretrain.state import TrainState
 from lmpretrain.tokenizer import load_tokenizer
-from lmpretrain.tracking import ConsoleWarnings, Tracker, format_log_line, git_commit, package_versions, wandb_log_with
+from lmpretrain.tracking import (
+    ConsoleWarnings,
+    Tracker,
+    format_log_line,
+    git_commit,
+    package_versions,
+    wandb_log_with,
+)
 
 
 def main(argv: list[str]) -> None:
@@ -78,10 +93,14 @@ def main(argv: list[str]) -> None:
         "micro_batch_size": B, "grad_accum_steps": K, "global_batch": global_batch,
     }
 
+    flops_per_token = train_flops_per_token(model_config, cfg.data.seq_len)
+    peak, peak_source = peak_flops(accelerator.device, precision.dtype or torch.float32)
+
     # ---- Resume: weights, moments, schedule, scaler, RNG, data position, counters ---------------
     state = TrainState()
     if resume_from:
         data_state, saved = checkpointer.load(resume_from, model=model, optimizer=optimizer)
+        loop_rng = capture_rng_state()  # as saved; re-applied right before the loop
         for warning in check_fingerprint(saved["fingerprint"], fingerprint, allow_mismatch=cfg.run.allow_mismatch,
                                          lr=cfg.optim.lr):
             say(f"[lmpretrain] WARNING: {warning}")
@@ -91,8 +110,6 @@ def main(argv: list[str]) -> None:
         state = TrainState.from_dict(saved)
         say(f"[lmpretrain] resumed from {resume_from} at step {state.step}")
 
-    flops_per_token = train_flops_per_token(model_config, cfg.data.seq_len)
-    peak, peak_source = peak_flops(accelerator.device, precision.dtype or torch.float32)
     tracker = Tracker(
         accelerator, output_dir=out, project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
         run_name=cfg.run.name or f"{Path(cfg.config_path).stem}-{out.name}",
@@ -127,6 +144,9 @@ def main(argv: list[str]) -> None:
     # ---- The loop ---------------------------------------------------------------------------------
     model.train()
     batches = iter(train_data)
+    # The loop's random numbers (dropout) start from a known state whatever ran before it: a fresh
+    # run seeds it (per rank, so replicas drop different units), a resumed run continues the saved one.
+    restore_rng_state(loop_rng) if resume_from else set_seed(cfg.run.seed + info.rank)
     preemption = PreemptionHandler()
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not accelerator.is_main_process,
                     desc="pretrain", unit="step", dynamic_ncols=True, mininterval=1.0)
@@ -144,7 +164,7 @@ def main(argv: list[str]) -> None:
             raise ValueError(f"step {state.step}: every label of the global batch is ignored (-100)")
         loss_scale = W / n_targets
         loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-        for k, (x, y) in enumerate(zip(input_ids.split(B), labels.split(B))):
+        for k, (x, y) in enumerate(zip(input_ids.split(B), labels.split(B), strict=True)):
             last = k == K - 1
             with contextlib.nullcontext() if last else accelerator.no_sync(model):
                 with precision.autocast():
@@ -190,7 +210,7 @@ def main(argv: list[str]) -> None:
         tracker.log(metrics, step=state.step)
         progress.update(1)
         progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
-        if state.step % cfg.logging.every == 0:
+        if state.step % cfg.logging.every == 0 and accelerator.is_main_process:
             progress.write(format_log_line(state.step, metrics))
 
         stop = preemption.should_stop(accelerator)

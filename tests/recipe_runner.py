@@ -78,7 +78,7 @@ def run(out_dir, *overrides, launch="cpu", launch_args=(), env=None, timeout=600
 
 
 def start(out_dir, *overrides, launch="cpu", env=None, config=SMOKE, log=None) -> subprocess.Popen:
-    """Start a run in its own process group (so a test can signal the launcher and all ranks)."""
+    """Start a run in its own session, so signals sent to the test runner never reach it."""
     return subprocess.Popen(
         command(out_dir, *overrides, launch=launch, config=config), cwd=ROOT, env=env_for_runs(env),
         stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
@@ -98,8 +98,17 @@ def wait_for_step(proc: subprocess.Popen, out_dir, step: int, timeout: float = 3
     raise AssertionError(f"no step {step} within {timeout}s")
 
 
-def kill_group(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
-    os.killpg(proc.pid, sig)
+def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
+    """Signal the launcher and every process under it at once, as a dying node or a scheduler's
+    preemption does (torch elastic puts ranks in their own sessions, so a process-group kill misses them)."""
+    import psutil
+
+    root = psutil.Process(proc.pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def read_metrics(out_dir) -> list[dict]:

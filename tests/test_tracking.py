@@ -226,6 +226,20 @@ def test_resume_merges_a_log_at_the_checkpoint_step_and_fresh_runs_keep_old_metr
     assert steps_of(read_jsonl(out / "metrics.jsonl.prev")) == [1, 2, 3, 4]
 
 
+def test_a_new_wandb_run_on_resume_gets_every_step_it_is_given(tmp_path):
+    out = tmp_path / "run"
+    first = make_tracker(out, mode="disabled")
+    for step in range(1, 6):
+        first.log(train_row(step), step)
+    first.finish()
+    second = make_tracker(out, resume_step=3)  # W&B on now, no run to continue: a new run
+    for step in range(4, 7):
+        second.log(train_row(step), step)
+    second.finish()
+    assert steps_of(read_offline_history(out)["history"], "_step") == [4, 5, 6]
+    assert steps_of(read_jsonl(out / "metrics.jsonl")) == [1, 2, 3, 4, 5, 6]
+
+
 def test_disabled_mode_writes_metrics_but_no_wandb(tmp_path):
     out = tmp_path / "run"
     assert wandb_log_with("disabled") is None

@@ -275,7 +275,12 @@ def _scalar(value: Any) -> Any:
 
 
 class Tracker:
-    """W&B (through accelerate) + ``metrics.jsonl`` + ``samples.jsonl`` for one run; see module doc."""
+    """W&B (through accelerate) + ``metrics.jsonl`` + ``samples.jsonl`` for one run; see module doc.
+
+    Construct it on every rank (the run id is broadcast from the main process, a collective); only
+    the main process writes files or talks to W&B. ``mode`` is the configured mode; ``self.mode`` is
+    the one really used on the main process (``online`` may fall back to ``offline``).
+    """
 
     def __init__(
         self,
@@ -306,7 +311,9 @@ class Tracker:
         self._secrets = secret_env_values()  # never written anywhere, even inside a logged string
         if self._is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self._wandb_sent_upto = self._prepare_file(self.metrics_path, resume_step)
+            old_max_step = self._prepare_file(self.metrics_path, resume_step)
+            if run_id is not None:  # continuing a W&B run that already holds steps <= old_max_step
+                self._wandb_sent_upto = old_max_step
             self._prepare_file(self.samples_path, resume_step)
             self._open_metrics()
             self.mode = resolve_wandb_mode(mode)
@@ -386,7 +393,17 @@ class Tracker:
         f.flush()
         self._last = (step, row, offset)
         if self._to_wandb(step):
+            self._send(values, step)
+
+    def _send(self, values: dict, step: int) -> None:
+        """W&B is a mirror of metrics.jsonl: if its service dies (e.g. the scheduler's SIGTERM reached
+        it too), say so once and keep training with metrics.jsonl rather than crash the run."""
+        try:
             self.accelerator.log(values, step=step)
+        except Exception as err:  # noqa: BLE001 - any W&B failure must not stop training
+            logger.warning("W&B logging failed at step %d (%s: %s); continuing with %s only",
+                           step, type(err).__name__, err, self.metrics_path)
+            self._run = None
 
     def log_samples(self, step: int, rows: list[tuple[str, str]]) -> None:
         """Sample generations: a W&B Table (step, prompt, generation) and lines in samples.jsonl."""
@@ -401,7 +418,7 @@ class Tracker:
 
             table = wandb.Table(columns=["step", "prompt", "generation"],
                                 data=[[int(step), p, g] for p, g in rows])
-            self.accelerator.log({SAMPLES_TABLE_KEY: table}, step=int(step))
+            self._send({SAMPLES_TABLE_KEY: table}, int(step))
 
     def finish(self, exit_code: int | None = None) -> None:
         """Close the files and finish the W&B run (idempotent; does not end accelerate's training)."""
@@ -413,9 +430,14 @@ class Tracker:
         if self._run is not None:
             tracker = self.accelerator.get_tracker("wandb")
             sync_file = self._run.settings.sync_file
-            self._run.finish(exit_code=exit_code)
-            if self.mode == "offline" and not wait_until_complete(sync_file):
-                logger.warning("W&B: %s is still incomplete 30 s after finish()", sync_file)
+            try:
+                self._run.finish(exit_code=exit_code)
+            except Exception as err:  # noqa: BLE001 - the service may be gone (signalled with the job)
+                logger.warning("W&B finish failed (%s: %s); %s is complete", type(err).__name__, err,
+                               self.metrics_path)
+            else:
+                if self.mode == "offline" and not wait_until_complete(sync_file):
+                    logger.warning("W&B: %s is still incomplete 30 s after finish()", sync_file)
             # accelerator.end_training() would finish it again; it is done.
             self.accelerator.trackers.remove(tracker)
             self._run = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -35,6 +36,13 @@ class StepRows:
 def rows_per_stream(rows_per_step: int, num_streams: int) -> list[int]:
     """c_s = G // S + (s < G % S): how many rows stream s gives to every step."""
     return [rows_per_step // num_streams + (s < rows_per_step % num_streams) for s in range(num_streams)]
+
+
+def _leave_signals_to_the_trainer(worker_id: int) -> None:
+    """Schedulers signal every process of a job; a worker killed by SIGTERM/SIGINT would crash the
+    trainer's step before it can save, so workers ignore both and stop when the trainer stops them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _identity(item):
@@ -130,8 +138,10 @@ class TrainStream:
         else:
             # Forked workers would otherwise warn and disable the tokenizer's threads one by one.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            # Own generator: creating the workers must not draw from the global torch RNG (resume exactness).
             loader = DataLoader(self._dataset, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
-                                prefetch_factor=2)
+                                prefetch_factor=2, worker_init_fn=_leave_signals_to_the_trainer,
+                                generator=torch.Generator().manual_seed(self.seed))
             items = self._loader_iter = iter(loader)
         return self._steps(items)
 
@@ -181,10 +191,13 @@ class TrainStream:
         return sum(r.records_read for r in self._dataset.readers.values()) if self._dataset else 0
 
     def close(self) -> None:
-        """Stop the dataloader workers, if any."""
+        """Stop the dataloader workers, if any, and close in-process shard readers."""
         it, self._loader_iter = self._loader_iter, None
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
+        if self._dataset is not None:
+            for reader in self._dataset.readers.values():
+                reader.close()
 
     def __del__(self):
         try:

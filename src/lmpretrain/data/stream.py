@@ -90,7 +90,13 @@ class SourceCursor:
 
     def seek(self, position) -> None:
         self.epoch, self.slot, self.record, self.skipped = (int(x) for x in position)
-        self._records = None
+        self.close()
+
+    def close(self) -> None:
+        """Close the open shard reader now (left to interpreter shutdown, datasets' readers print errors)."""
+        if self._records is not None:
+            self._records.close()
+            self._records = None
 
     def _shard(self) -> int:
         if self._order is None or self._order[0] != self.epoch:
@@ -158,6 +164,10 @@ class StreamReader:
     @staticmethod
     def initial_state(num_sources: int) -> dict:
         return {"window": 0, "emitted": 0, "mix": 0, "offset": 0, "sources": [[0, 0, 0, 0] for _ in range(num_sources)]}
+
+    def close(self) -> None:
+        for cursor in self.cursors:
+            cursor.close()
 
     @property
     def records_read(self) -> int:

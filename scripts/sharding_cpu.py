@@ -4,9 +4,11 @@
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \\
         scripts/sharding_cpu.py [--steps 10] [--json sharding.json]
 
-(`torchrun --nproc_per_node 2 scripts/sharding_cpu.py` works too.) accelerate turns an FSDP request on
-CPU into plain DDP, so the recipe refuses it there; torch itself can shard on gloo, and this script uses
-it directly. The same float64 Llama is trained on the same data three ways:
+(`accelerate launch --config_file configs/accelerate/cpu-ddp.yaml scripts/sharding_cpu.py` and
+`torchrun --nproc_per_node 2 scripts/sharding_cpu.py` work too; `--cpu --num_processes 2` starts one
+process and is refused.) accelerate turns an FSDP request on CPU into plain DDP, so the recipe refuses
+it there; torch itself can shard on gloo, and this script uses it directly. The same float64 Llama is
+trained on the same data three ways:
 
 * ``ddp``   - DistributedDataParallel + AdamW: every rank holds all parameters and all optimizer state;
 * ``fsdp2`` - ``fully_shard`` on each decoder layer and the root: parameters, gradients and AdamW state
@@ -65,7 +67,8 @@ def batch(args, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build(mode: str, seed: int):
     torch.manual_seed(seed)  # identical init on every rank; fully_shard keeps each rank's slice of it
-    model = build_model(build_model_config(ModelConfig(type="llama", overrides=MODEL)), dtype="float64").train()
+    config = build_model_config(ModelConfig(type="llama", overrides=MODEL))
+    model = build_model(config, dtype="float64").train()
     if mode == "fsdp2":
         for layer in model.model.layers:
             fully_shard(layer)
@@ -97,7 +100,8 @@ def optimizer_state_bytes(optimizer) -> int:
 
 def full_params(model) -> dict[str, torch.Tensor]:
     """Every parameter whole, on every rank (FSDP2 shards are all-gathered)."""
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
 
 
 def train(mode: str, args, rank: int, world: int) -> dict:
@@ -138,7 +142,8 @@ def table(report: dict) -> str:
     rows = [head]
     for mode, m in report["modes"].items():
         rows.append([mode, *[f"{r['optimizer_state_bytes']:,}" for r in m["ranks"]],
-                     "/".join(f"{x:.3f}" for x in m["state_ratio_vs_ddp"]), f"{m['ranks'][0]['param_bytes']:,}",
+                     "/".join(f"{x:.3f}" for x in m["state_ratio_vs_ddp"]),
+                     f"{m['ranks'][0]['param_bytes']:,}",
                      f"{m['max_rel_param_diff_vs_ddp']:.2e}", f"{m['max_abs_loss_diff_vs_ddp']:.2e}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
@@ -165,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank, world, main_process = info.rank, info.world_size, info.rank == 0
     if main_process:
-        print(f"process group: world_size={world} backend={info.backend} distributed_type={info.distributed_type}"
-              f" threads/process={info.threads}", flush=True)
+        print(f"process group: world_size={world} backend={info.backend} "
+              f"distributed_type={info.distributed_type} threads/process={info.threads}", flush=True)
 
     report = {"world_size": world, "backend": info.backend, "distributed_type": info.distributed_type,
               "steps": args.steps, "dtype": "float64", "model": MODEL, "modes": {}}
@@ -176,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         if reference is None:
             reference, ref_result = params, result
         result["max_rel_param_diff_vs_ddp"] = max_rel_diff(params, reference)
-        result["max_abs_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(result["losses"], ref_result["losses"],
-                                                                           strict=True))
+        pairs = zip(result["losses"], ref_result["losses"], strict=True)
+        result["max_abs_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in pairs)
         result["state_ratio_vs_ddp"] = [r["optimizer_state_bytes"] / d["optimizer_state_bytes"]
                                         for r, d in zip(result["ranks"], ref_result["ranks"], strict=True)]
         report["modes"][mode] = result

@@ -1,5 +1,7 @@
 """Config loading: YAML + overrides, unknown keys with suggestions, types, and cross-field rules."""
 
+import copy
+
 import pytest
 
 from lmpretrain.config import ConfigError, config_problems, load_config, model_problems, parse_overrides
@@ -84,32 +86,30 @@ def test_workers_bounded_by_streams_per_rank(tmp_path):
     assert config_problems(cfg, world_size=1) == []
 
 
-class FakeVocab:
-    """Stands in for a tokenizer only where the rule needs len() and eos: a real one is tested elsewhere."""
-
-    def __init__(self, n, eos=1):
-        self.n, self.eos_token_id = n, eos
-
-    def __len__(self):
-        return self.n
-
-
-def test_model_rules_seq_len_and_vocab(tmp_path):
+def test_model_rules_seq_len_and_vocab(tmp_path, small_tokenizer):
     cfg = load_config([write(
         tmp_path,
-        "model:\n  type: llama\n  overrides: {max_position_embeddings: 128, vocab_size: 1000}\n"
+        "model:\n  type: llama\n  overrides: {max_position_embeddings: 128, vocab_size: 300}\n"
         "data:\n  seq_len: 256\n",
     )])
-    problems = model_problems(cfg, build_model_config(cfg.model), FakeVocab(2000, eos=None))
+    problems = model_problems(cfg, build_model_config(cfg.model), small_tokenizer)
     text = "\n".join(problems)
     assert "data.seq_len=256 exceeds the model's 128 positions" in text
-    assert "has 2000 tokens but the model's vocab_size is 1000" in text
-    assert "has no EOS token" in text
+    assert f"has {len(small_tokenizer)} tokens but the model's vocab_size is 300" in text
+    assert len(problems) == 2
 
 
-def test_gpt2_positions_are_checked_through_the_attribute_map(tmp_path):
+def test_tokenizer_without_eos_is_a_config_problem(tmp_path, small_tokenizer):
+    cfg = load_config([write(tmp_path, "model:\n  overrides: {vocab_size: 512}\n")])
+    tokenizer = copy.deepcopy(small_tokenizer)
+    tokenizer.eos_token = None
+    assert model_problems(cfg, build_model_config(cfg.model), tokenizer) == [
+        "tokenizer 'builtin:python-stdlib' has no EOS token; documents cannot be separated"]
+
+
+def test_gpt2_positions_are_checked_through_the_attribute_map(tmp_path, small_tokenizer):
     cfg = load_config([write(tmp_path, "model:\n  type: gpt2\n  overrides: {n_positions: 64}\ndata:\n  seq_len: 65\n")])
-    problems = model_problems(cfg, build_model_config(cfg.model), FakeVocab(100))
+    problems = model_problems(cfg, build_model_config(cfg.model), small_tokenizer)
     assert problems == ["data.seq_len=65 exceeds the model's 64 positions "
                         "(raise model.overrides.max_position_embeddings / n_positions, or lower data.seq_len)"]
 
@@ -118,3 +118,10 @@ def test_unknown_model_override_names_the_nearest_field(tmp_path):
     cfg = load_config([write(tmp_path, "model:\n  type: llama\n  overrides: {hiden_size: 32}\n")])
     with pytest.raises(ValueError, match="model.overrides.hiden_size \\(did you mean 'hidden_size'\\?\\)"):
         build_model_config(cfg.model)
+
+
+def test_overrides_reach_derived_fields(tmp_path):
+    """Llama derives head_dim from hidden_size / num_attention_heads in its constructor."""
+    cfg = load_config([write(tmp_path, "model:\n  type: llama\n  overrides: {hidden_size: 192, num_attention_heads: 6}\n")])
+    model_config = build_model_config(cfg.model)
+    assert model_config.head_dim == 32 and model_config.use_cache is False

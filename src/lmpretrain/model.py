@@ -14,28 +14,28 @@ from lmpretrain.config import ConfigError
 def build_model_config(model_cfg) -> PretrainedConfig:
     """AutoConfig for `model.type` (or `model.pretrained`) with `model.overrides` applied and checked.
 
-    AutoConfig accepts any keyword silently; an override that is not a field of the model's config
-    would be ignored, so it is an error naming the nearest field instead.
+    Overrides go to the config's constructor, so derived fields follow them (Llama's head_dim is
+    hidden_size / num_attention_heads). AutoConfig accepts any keyword silently; an override that is
+    not a field of the model's config would be ignored, so it is an error naming the nearest field.
     """
-    if model_cfg.pretrained:
-        config = AutoConfig.from_pretrained(model_cfg.pretrained)
-    else:
-        try:
-            config = AutoConfig.for_model(model_cfg.type)
-        except ValueError as err:
-            raise ConfigError([f"model.type={model_cfg.type!r} is not a transformers model type: {err}"]) from None
-    known = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
+    try:
+        default = AutoConfig.from_pretrained(model_cfg.pretrained) if model_cfg.pretrained else \
+            AutoConfig.for_model(model_cfg.type)
+    except ValueError as err:
+        raise ConfigError([f"model.type={model_cfg.type!r} is not a transformers model type: {err}"]) from None
+    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
     unknown = []
     for key in model_cfg.overrides:
         if key not in known:
             near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
             unknown.append(f"model.overrides.{key}" + (f" (did you mean '{near[0]}'?)" if near else ""))
     if unknown:
-        raise ConfigError([f"unknown field(s) for a {config.model_type} config: {', '.join(unknown)}"])
-    for key, value in model_cfg.overrides.items():
-        setattr(config, key, value)
-    config.use_cache = False  # training never reuses a KV cache; generation asks for one explicitly
-    return config
+        raise ConfigError([f"unknown field(s) for a {default.model_type} config: {', '.join(unknown)}"])
+    # use_cache: training never reuses a KV cache; generation asks for one explicitly.
+    overrides = {"use_cache": False, **model_cfg.overrides}
+    if model_cfg.pretrained:
+        return AutoConfig.from_pretrained(model_cfg.pretrained, **overrides)
+    return AutoConfig.for_model(model_cfg.type, **overrides)
 
 
 def build_model(config: PretrainedConfig, pretrained: str | None = None, dtype: str = "float32") -> nn.Module:

@@ -105,8 +105,13 @@ def check_launch(accelerator: Accelerator) -> None:
             "(FSDP needs GPUs in accelerate; nothing would be sharded). Use a GPU machine, or "
             "configs/accelerate/cpu-ddp.yaml for data parallelism on CPU"
         )
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and dtype != DistributedType.DEEPSPEED:
-        raise LaunchError(f"DeepSpeed was requested but accelerate runs {dtype.value}")
+    if dtype == DistributedType.DEEPSPEED or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise LaunchError(
+            "DeepSpeed is not supported by this recipe yet: its engine takes over gradient accumulation, loss "
+            "scaling, clipping, the optimizer step and checkpoint layout, which this loop does itself (and "
+            "nothing here could test it without GPUs). For sharded training use configs/accelerate/fsdp.yaml "
+            "(FSDP2 full sharding)"
+        )
 
 
 def describe_runtime(accelerator: Accelerator, threads: int) -> RuntimeInfo:

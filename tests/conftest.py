@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import pytest
@@ -46,20 +45,12 @@ def small_tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def stdlib_cache(tmp_path_factory):
-    """An isolated LMPRETRAIN_CACHE holding the default corpus and builtin tokenizer (built once per session)."""
+def stdlib_cache():
+    """The default corpus and builtin tokenizer in the normal cache, built once (the recipe runs in the
+    end-to-end tests use the same cache, so the suite builds them once)."""
     from lmpretrain import corpus
     from lmpretrain.tokenizer import ensure_builtin_tokenizer
 
-    root = tmp_path_factory.mktemp("lmpretrain_cache")
-    old = os.environ.get("LMPRETRAIN_CACHE")
-    os.environ["LMPRETRAIN_CACHE"] = str(root)
-    try:
-        corpus.ensure_stdlib_corpus()
-        ensure_builtin_tokenizer()
-        yield root
-    finally:
-        if old is None:
-            del os.environ["LMPRETRAIN_CACHE"]
-        else:
-            os.environ["LMPRETRAIN_CACHE"] = old
+    corpus.ensure_stdlib_corpus()
+    ensure_builtin_tokenizer()
+    return corpus.cache_root()

@@ -57,13 +57,13 @@ def test_accumulated_micro_batches_equal_one_big_batch_with_uneven_ignores():
 
     acc = tiny_llama()
     total = count_targets(labels)
-    for x, y in zip(ids.split(2), labels.split(2)):  # 4 micro-batches with different target counts
+    for x, y in zip(ids.split(2), labels.split(2), strict=True):  # 4 micro-batches with different target counts
         (causal_lm_loss_sum(acc(input_ids=x).logits, y) / total).backward()
     assert rel_err(grads(acc), grads(big)) < 1e-6
 
     # The pitfall the normalisation avoids: averaging per-micro-batch means weights them equally.
     naive = tiny_llama()
-    for x, y in zip(ids.split(2), labels.split(2)):
+    for x, y in zip(ids.split(2), labels.split(2), strict=True):
         (causal_lm_loss_sum(naive(input_ids=x).logits, y) / count_targets(y) / 4).backward()
     assert rel_err(grads(naive), grads(big)) > 1e-2
 
@@ -111,7 +111,7 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_keeps_params():
     mp.unscale_(opt)
     assert mp.step(opt) is False
     assert mp.loss_scale == 2.0**15
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert opt.state == {} or all(s.get("step", 0) == 0 for s in opt.state.values())
 
     opt.zero_grad()
@@ -121,7 +121,7 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_keeps_params():
     mp.unscale_(opt)
     assert mp.step(opt) is True  # a clean step goes through and keeps the scale
     assert mp.loss_scale == 2.0**15
-    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     state = mp.state_dict()
     fresh = MixedPrecision("fp16", torch.device("cpu"))
     fresh.load_state_dict(state)

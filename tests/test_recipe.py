@@ -202,3 +202,12 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path):
 
     latest = Checkpointer(tmp_path / "nan").latest()
     assert latest is not None and all(r["step"] <= int(latest.name.split("-")[1]) + 1 for r in run.metrics())
+
+
+def test_continued_pretraining_from_an_exported_model(smoke, tmp_path):
+    """model.pretrained loads the weights (the model type and shape come from the saved config)."""
+    cont = rr.run(tmp_path / "cont", *rr.QUICK, f"--model.pretrained={smoke.out / 'final'}", "--train.max_steps=6",
+                  "--optim.warmup_steps=1", "--eval.every=0", "--logging.wandb_mode=disabled")
+    first = cont.metrics()[0]["train/loss"]
+    fresh = smoke.metrics()[0]["train/loss"]
+    assert first < smoke.metrics()[-1]["train/loss"] + 0.5 < fresh  # starts where the smoke run ended

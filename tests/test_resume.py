@@ -43,7 +43,7 @@ def assert_same_trajectory(straight, resumed):
 
 
 def test_straight_run_has_identical_replicas(straight):
-    line = next(l for l in straight.output.splitlines() if "parameter sha256 per rank" in l)
+    line = next(t for t in straight.output.splitlines() if "parameter sha256 per rank" in t)
     digests = line.split(":")[-1].split()
     assert len(digests) == 2 and digests[0] == digests[1]
     assert "world_size=2 distributed_type=MULTI_CPU backend=gloo" in straight.output

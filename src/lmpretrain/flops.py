@@ -184,7 +184,7 @@ def table_peak(device_name: str, dtype: torch.dtype | str, *, allow_tf32: bool =
 
 
 @functools.cache
-def measure_peak_flops(device: str, dtype_name: str, seconds: float = 0.5, max_n: int = 2048) -> float:
+def measure_peak_flops(device: str, dtype_name: str, seconds: float = 1.0, max_n: int = 2048) -> float:
     """Best observed FLOP/s of a square matmul in ``dtype`` on ``device``, over about ``seconds``.
 
     The size doubles from 256 until one matmul takes >= 50 ms (or ``max_n``), so slow dtypes (fp16 on

@@ -220,6 +220,7 @@ def main(argv: list[str]) -> None:
             say(f"[lmpretrain] stopped by signal after step {state.step}; resume with the same command")
             train_data.close()
             tracker.finish()
+            accelerator.end_training()
             return
     progress.close()
 

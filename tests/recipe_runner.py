@@ -32,7 +32,8 @@ def free_port() -> int:
 
 
 def env_for_runs(extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "WANDB_API"))}
+    # No inherited W&B service (a test that called wandb.init exports WANDB_SERVICE) or key.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "WANDB_"))}
     env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1",
                WANDB_SILENT="true")
     env.update(extra or {})

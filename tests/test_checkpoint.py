@@ -474,6 +474,8 @@ RANK_WORKER = textwrap.dedent("""
               "step": trainer_state["step"], "failed": failed, "latest": str(ck.latest()), "fsdp_ok": fsdp_ok}
     with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
         json.dump(result, f)
+    state.wait_for_everyone()
+    torch.distributed.destroy_process_group()  # an undestroyed gloo group can abort at interpreter exit
 """)
 
 

@@ -146,7 +146,10 @@ def main(argv: list[str]) -> None:
     batches = iter(train_data)
     # The loop's random numbers (dropout) start from a known state whatever ran before it: a fresh
     # run seeds it (per rank, so replicas drop different units), a resumed run continues the saved one.
-    restore_rng_state(loop_rng) if resume_from else set_seed(cfg.run.seed + info.rank)
+    if resume_from:
+        restore_rng_state(loop_rng)
+    else:
+        set_seed(cfg.run.seed + info.rank)
     preemption = PreemptionHandler()
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not accelerator.is_main_process,
                     desc="pretrain", unit="step", dynamic_ncols=True, mininterval=1.0)
@@ -165,8 +168,8 @@ def main(argv: list[str]) -> None:
         loss_scale = W / n_targets
         loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         for k, (x, y) in enumerate(zip(input_ids.split(B), labels.split(B), strict=True)):
-            last = k == K - 1
-            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            sync = k == K - 1  # gradients are all-reduced only in the last micro-batch's backward
+            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
                 with precision.autocast():
                     logits = model(input_ids=x).logits                                # 2. forward
                 micro_loss = causal_lm_loss_sum(logits, y, cfg.train.label_smoothing)  #    fp32 loss
@@ -204,8 +207,8 @@ def main(argv: list[str]) -> None:
         if precision.scaler:
             metrics.update({"train/loss_scale": precision.loss_scale, "train/skipped_steps": state.skipped_steps})
         warnings.observe(state.step, train_loss, metrics["train/clipped"], not stepped)
-        last = state.step == cfg.train.max_steps
-        if last or (cfg.eval.every and state.step % cfg.eval.every == 0):                # 7. evaluate
+        final_step = state.step == cfg.train.max_steps
+        if final_step or (cfg.eval.every and state.step % cfg.eval.every == 0):                # 7. evaluate
             metrics.update(run_eval())
         tracker.log(metrics, step=state.step)
         progress.update(1)
@@ -214,7 +217,7 @@ def main(argv: list[str]) -> None:
             progress.write(format_log_line(state.step, metrics))
 
         stop = preemption.should_stop(accelerator)
-        if stop or last or (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0):  # 8. checkpoint
+        if stop or final_step or (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0):  # 8. checkpoint
             save_checkpoint()
         if stop:
             say(f"[lmpretrain] stopped by signal after step {state.step}; resume with the same command")

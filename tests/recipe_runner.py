@@ -133,3 +133,23 @@ def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest relative L2 difference over the parameter tensors of two state dicts."""
     assert a.keys() == b.keys()
     return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30)).item() for k in a)
+
+
+def launch_two_ranks(script, *args: str, timeout: float = 120) -> list[str]:
+    """Run `script` as ranks 0 and 1 of a torch.distributed group (env:// rendezvous on a free port),
+    as torchrun would; returns both outputs and fails if either rank fails."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2"}
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    return outputs

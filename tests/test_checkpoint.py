@@ -5,7 +5,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ from lmpretrain.checkpoint import (
     merge_data_states,
     restore_rng_state,
 )
+from recipe_runner import launch_two_ranks
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -477,27 +477,6 @@ RANK_WORKER = textwrap.dedent("""
     state.wait_for_everyone()
     torch.distributed.destroy_process_group()  # an undestroyed gloo group can abort at interpreter exit
 """)
-
-
-def launch_two_ranks(script: Path, *args: str, timeout: float = 120) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2"}
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
 
 
 def test_two_ranks_save_their_own_rng_and_data_and_get_them_back_ddp_and_fsdp2(tmp_path):

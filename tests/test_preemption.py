@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ from accelerate import PartialState
 
 from lmpretrain.checkpoint import Checkpointer, checkpoint_problem
 from lmpretrain.preemption import PreemptionHandler
+from recipe_runner import launch_two_ranks
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -168,27 +168,14 @@ RANK_WORKER = textwrap.dedent("""
             time.sleep(0.05)
         after = handler.should_stop(state)
     print(f"rank {state.process_index}: before={before} after={after}", flush=True)
+    state.wait_for_everyone()
+    state.destroy_process_group()  # an undestroyed gloo group can abort at interpreter exit
 """)
 
 
 def test_should_stop_agrees_across_ranks_when_only_one_is_signalled(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(RANK_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2"}
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), outputs
+    outputs = launch_two_ranks(script)
     assert "rank 0: before=False after=True" in outputs[0]
     assert "rank 1: before=False after=True" in outputs[1]

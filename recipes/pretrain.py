@@ -21,33 +21,22 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from lmpretrain import runtime
-from lmpretrain.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    capture_rng_state,
-    check_fingerprint,
-    check_output_dir_writable,
-    restore_rng_state,
-)
+from lmpretrain.checkpoint import Checkpointer, CheckpointError, check_output_dir_writable
 from lmpretrain.config import ConfigError, config_problems, load_config, model_problems, save_config
+from lmpretrain.console import ConsoleWarnings, format_log_line
 from lmpretrain.data import DataError, TrainStream, heldout_blocks
 from lmpretrain.evaluation import evaluate, generate_sample
+from lmpretrain.fingerprint import check_fingerprint
 from lmpretrain.flops import mfu, peak_flops, train_flops_per_token
 from lmpretrain.loss import causal_lm_loss_sum, count_targets, make_labels
 from lmpretrain.model import build_model, build_model_config, parameter_counts
 from lmpretrain.optim import build_optimizer, build_scheduler, describe_groups
 from lmpretrain.precision import MixedPrecision, PrecisionUnavailableError
 from lmpretrain.preemption import PreemptionHandler
+from lmpretrain.rng import capture_rng_state, restore_rng_state
 from lmpretrain.state import TrainState
 from lmpretrain.tokenizer import load_tokenizer
-from lmpretrain.tracking import (
-    ConsoleWarnings,
-    Tracker,
-    format_log_line,
-    git_commit,
-    package_versions,
-    wandb_log_with,
-)
+from lmpretrain.tracking import Tracker, git_commit, package_versions, wandb_log_with
 
 
 def main(argv: list[str]) -> None:

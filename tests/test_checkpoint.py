@@ -19,14 +19,12 @@ from lmpretrain.checkpoint import (
     MARKER_FILE,
     Checkpointer,
     CheckpointError,
-    CheckpointMismatchError,
-    capture_rng_state,
-    check_fingerprint,
     check_output_dir_writable,
     checkpoint_problem,
     merge_data_states,
-    restore_rng_state,
 )
+from lmpretrain.fingerprint import CheckpointMismatchError, check_fingerprint
+from lmpretrain.rng import capture_rng_state, restore_rng_state
 from recipe_runner import launch_two_ranks
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -14,13 +14,12 @@ import pytest
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
+from lmpretrain.console import ConsoleWarnings, format_log_line
 from lmpretrain.tracking import (
     REDACTED,
     SAMPLES_TABLE_KEY,
-    ConsoleWarnings,
     Tracker,
     can_reach,
-    format_log_line,
     git_commit,
     has_wandb_credentials,
     is_secret_key,

@@ -1,4 +1,4 @@
-"""Atomic, per-rank, valid-only checkpoints; resume discovery; retention; run fingerprints.
+"""Atomic, per-rank, valid-only checkpoints; resume discovery; retention.
 
 A checkpoint is ``<output_dir>/checkpoints/step-NNNNNNNN/`` holding:
 
@@ -21,12 +21,10 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -39,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lmpretrain.rng import capture_rng_state, restore_rng_state
+
 logger = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
@@ -47,17 +47,11 @@ TRAINER_STATE_FILE = "trainer_state.json"
 MARKER_FILE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _ALIASES_KEY = "lmpretrain.tied_aliases"
-OVERRIDE_FLAG = "--run.allow_mismatch=true"
 # Fingerprint keys that may change between runs without a word: they change speed, not results.
-SILENT_FINGERPRINT_KEYS = {"num_workers", "data.num_workers"}
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, found or loaded; the message says what to do."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint was written by a run whose fingerprint differs from this one."""
 
 
 def rank_file(rank: int) -> str:
@@ -66,45 +60,6 @@ def rank_file(rank: int) -> str:
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-# ---- RNG ------------------------------------------------------------------------------------------
-
-
-def capture_rng_state() -> dict:
-    """This process's python, numpy, torch and CUDA RNG states, as tensors and plain values."""
-    version, internal, gauss_next = random.getstate()
-    np_name, np_key, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
-    state = {
-        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
-                   "gauss_next": gauss_next},
-        "numpy": {"name": np_name, "key": torch.from_numpy(np_key.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
-    return state
-
-
-def restore_rng_state(state: dict) -> None:
-    """Inverse of ``capture_rng_state``: the next random numbers equal those after the capture."""
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
-    nps = state["numpy"]
-    np.random.set_state((nps["name"], nps["key"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"],
-                         nps["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if cuda is not None:
-        if not torch.cuda.is_available():
-            logger.warning("checkpoint has CUDA RNG states but CUDA is not available here: they are not restored")
-        else:
-            if len(cuda) != torch.cuda.device_count():
-                logger.warning("checkpoint has CUDA RNG states for %d devices, this process sees %d: "
-                               "restoring the first %d", len(cuda), torch.cuda.device_count(),
-                               min(len(cuda), torch.cuda.device_count()))
-            for device, rng in enumerate(cuda[: torch.cuda.device_count()]):
-                torch.cuda.set_rng_state(rng, device)
 
 
 # ---- small helpers ---------------------------------------------------------------------------------
@@ -294,78 +249,6 @@ def check_output_dir_writable(output_dir) -> None:
             f"({type(err).__name__} on {err.filename or out}). Checkpoints need to create, write and rename "
             f"directories there: pick another output_dir or fix the path/permissions."
         ) from err
-
-
-# ---- fingerprints --------------------------------------------------------------------------------------
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    flat = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            flat.update(_flatten(v, key + "."))
-        else:
-            flat[key] = v
-    return flat
-
-
-def _global_batch(fp: dict) -> int | None:
-    if fp.get("global_batch") is not None:
-        return fp["global_batch"]
-    if all(fp.get(k) is not None for k in ("micro_batch_size", "grad_accum_steps", "world_size")):
-        return fp["micro_batch_size"] * fp["grad_accum_steps"] * fp["world_size"]
-    return None
-
-
-def _batch_advice(saved: dict, current: dict, lr: float | None) -> str | None:
-    old_w, new_w = saved.get("world_size"), current.get("world_size")
-    old_b, new_b = _global_batch(saved), _global_batch(current)
-    if old_b is not None and new_b is not None and old_b != new_b:
-        factor = new_b / old_b
-        suggestion = f"optim.lr x {factor:g}" if lr is None else f"lr {lr:.4g} -> {lr * factor:.4g}"
-        return (f"the global batch changes {old_b} -> {new_b} (world size {old_w} -> {new_w}): with linear "
-                f"scaling the learning rate should change by x{factor:g} ({suggestion})")
-    if old_w != new_w:
-        if old_b is not None and old_b == new_b:
-            return (f"world size changes {old_w} -> {new_w} but the global batch stays {old_b}: "
-                    f"no learning-rate rescaling is needed")
-        return (f"world size changes {old_w} -> {new_w}: if the global batch changes, rescale the learning "
-                f"rate linearly (lr x new_batch / old_batch)")
-    return None
-
-
-def check_fingerprint(saved: dict, current: dict, *, allow_mismatch: bool, lr: float | None = None) -> list[str]:
-    """Compare a checkpoint's fingerprint with this run's; raise naming every difference unless allowed.
-
-    Nested dicts are compared key by key (``model.hidden_size``). ``num_workers`` may differ silently.
-    When the world size or global batch (``global_batch`` or micro_batch_size x grad_accum_steps x
-    world_size) differs, the message says how to rescale the learning rate (give ``lr`` for a number).
-    Returns the warnings to print when ``allow_mismatch`` is set (empty when nothing differs).
-    """
-    old, new = _flatten(saved), _flatten(current)
-    missing = "<absent>"
-    diffs = [
-        f"{key}: {old.get(key, missing)!r} -> {new.get(key, missing)!r}"
-        for key in sorted(old.keys() | new.keys())
-        if key not in SILENT_FINGERPRINT_KEYS and key.rsplit(".", 1)[-1] not in SILENT_FINGERPRINT_KEYS
-        and not _same(old.get(key, missing), new.get(key, missing))
-    ]
-    if not diffs:
-        return []
-    advice = _batch_advice(saved, current, lr)
-    if not allow_mismatch:
-        lines = ["the checkpoint was written by a run that differs from this one:"]
-        lines += [f"  {d}" for d in diffs]
-        if advice:
-            lines.append(f"note: {advice}")
-        lines.append(f"Resume anyway with {OVERRIDE_FLAG}, or start fresh in another output_dir "
-                     f"(or with --run.resume=never --run.overwrite=true).")
-        raise CheckpointMismatchError("\n".join(lines))
-    warnings = [f"resuming across a fingerprint difference ({OVERRIDE_FLAG}): {d}" for d in diffs]
-    if advice:
-        warnings.append(advice)
-    return warnings
 
 
 # ---- the checkpointer ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Experiment tracking: W&B through accelerate's trackers, ``metrics.jsonl``, console helpers.
+"""Experiment tracking: W&B through accelerate's trackers and ``metrics.jsonl``.
 
 One :class:`Tracker` per run. The main process writes ``<output_dir>/metrics.jsonl`` (one JSON object
 per optimizer step, the same keys as W&B) and ``samples.jsonl``, and owns the W&B run; other ranks do
@@ -17,7 +17,6 @@ import enum
 import importlib.metadata
 import json
 import logging
-import math
 import netrc
 import os
 import platform
@@ -26,12 +25,12 @@ import socket
 import subprocess
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from lmpretrain.console import as_scalar
 from lmpretrain.wandb_offline import wait_until_complete
 
 logger = logging.getLogger(__name__)
@@ -263,12 +262,6 @@ def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def _scalar(value: Any) -> Any:
-    if hasattr(value, "item") and callable(value.item):  # 0-d tensors, numpy scalars
-        value = value.item()
-    return value
-
-
 # --------------------------------------------------------------------------------------------
 # Tracker
 # --------------------------------------------------------------------------------------------
@@ -380,7 +373,7 @@ class Tracker:
         if not self._is_main:
             return
         step = int(step)
-        values = {k: scrub_secrets(_scalar(v), self._secrets) for k, v in metrics.items()}
+        values = {k: scrub_secrets(as_scalar(v), self._secrets) for k, v in metrics.items()}
         f = self._metrics_file
         if self._last is not None and step < self._last[0]:
             raise ValueError(f"metrics step went backwards: {step} after {self._last[0]}")
@@ -441,90 +434,3 @@ class Tracker:
             # accelerator.end_training() would finish it again; it is done.
             self.accelerator.trackers.remove(tracker)
             self._run = None
-
-
-# --------------------------------------------------------------------------------------------
-# Console
-# --------------------------------------------------------------------------------------------
-
-
-class ConsoleWarnings:
-    """Warnings said once per kind: clipping on every step, skipped fp16 steps, loss spikes."""
-
-    def __init__(
-        self,
-        printer: Callable[[str], Any] = print,
-        *,
-        spike_sigma: float = 4.0,
-        window: int = 50,
-        min_window: int = 10,
-        clip_streak: int = 20,
-    ) -> None:
-        self.printer = printer
-        self.spike_sigma = spike_sigma
-        self.min_window = min_window
-        self.clip_streak = clip_streak
-        self.said: set[str] = set()
-        self._losses: deque[float] = deque(maxlen=window)
-        self._clipped_run = 0
-
-    def _say(self, kind: str, message: str) -> None:
-        if kind not in self.said:
-            self.said.add(kind)
-            self.printer(f"warning: {message} (said once)")
-
-    def observe(self, step: int, loss: float, clipped: bool = False, skipped: bool = False) -> None:
-        """Feed one optimizer step; prints each kind of warning the first time it happens."""
-        loss = float(loss)
-        self._clipped_run = self._clipped_run + 1 if clipped else 0
-        if self._clipped_run >= self.clip_streak:
-            self._say("clipping", f"the gradient was clipped on each of the last {self._clipped_run} steps "
-                                  f"(step {step}): max_grad_norm may be too low or the lr too high")
-        if skipped:
-            self._say("skipped", f"step {step} was skipped: inf/nan gradients under fp16 loss scaling "
-                                 "(train/skipped_steps counts them)")
-        if not math.isfinite(loss):
-            self._say("nonfinite", f"loss is {loss} at step {step}")
-            return
-        if len(self._losses) >= self.min_window:
-            mean = sum(self._losses) / len(self._losses)
-            std = math.sqrt(sum((x - mean) ** 2 for x in self._losses) / len(self._losses))
-            if std > 0 and loss > mean + self.spike_sigma * std:
-                self._say("spike", f"loss spike at step {step}: {loss:.4f} is more than "
-                                   f"{self.spike_sigma:g} sigma above the last {len(self._losses)} steps' "
-                                   f"mean {mean:.4f} (sigma {std:.4f})")
-        self._losses.append(loss)
-
-
-def _si(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.1f}{unit}"
-    return f"{x:.0f}"
-
-
-def format_log_line(step: int, metrics: Mapping[str, Any], max_steps: int | None = None) -> str:
-    """A concise console line from the logged metrics (only the keys present are shown)."""
-    m = {k: _scalar(v) for k, v in metrics.items()}
-    parts = [f"step {step}/{max_steps}" if max_steps else f"step {step}"]
-    if "train/loss" in m:
-        parts.append(f"loss {m['train/loss']:.4f}")
-    if "train/lr" in m:
-        parts.append(f"lr {m['train/lr']:.2e}")
-    if "train/grad_norm" in m:
-        parts.append(f"gnorm {m['train/grad_norm']:.3g}" + (" (clipped)" if m.get("train/clipped") else ""))
-    if "perf/tokens_per_s" in m:
-        parts.append(f"{_si(m['perf/tokens_per_s'])} tok/s")
-    if "perf/mfu" in m:
-        parts.append(f"mfu {100 * m['perf/mfu']:.1f}%")
-    if "perf/data_wait_frac" in m:
-        parts.append(f"data wait {100 * m['perf/data_wait_frac']:.0f}%")
-    if "perf/peak_mem_bytes" in m:
-        parts.append(f"mem {m['perf/peak_mem_bytes'] / 2**30:.2f} GiB")
-    if m.get("train/skipped_steps"):
-        parts.append(f"skipped {m['train/skipped_steps']}")
-    if "eval/loss" in m:
-        parts.append(f"eval loss {m['eval/loss']:.4f}" + (f" ppl {m['eval/ppl']:.2f}" if "eval/ppl" in m else ""))
-    if "train/tokens_seen" in m:
-        parts.append(f"{_si(m['train/tokens_seen'])} tokens")
-    return " | ".join(parts)

@@ -1,0 +1,81 @@
+"""What a run depends on (data, tokenizer, model, world size, batch) and the resume check against a
+checkpoint's copy: differences are refused, naming each, unless explicitly allowed."""
+
+from lmpretrain.checkpoint import CheckpointError
+
+OVERRIDE_FLAG = "--run.allow_mismatch=true"
+# Resuming with a different number of dataloader workers is exact (streams, not workers, hold positions).
+SILENT_FINGERPRINT_KEYS = {"num_workers", "data.num_workers"}
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint was written by a run whose fingerprint differs from this one."""
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            flat.update(_flatten(v, key + "."))
+        else:
+            flat[key] = v
+    return flat
+
+
+def _global_batch(fp: dict) -> int | None:
+    if fp.get("global_batch") is not None:
+        return fp["global_batch"]
+    if all(fp.get(k) is not None for k in ("micro_batch_size", "grad_accum_steps", "world_size")):
+        return fp["micro_batch_size"] * fp["grad_accum_steps"] * fp["world_size"]
+    return None
+
+
+def _batch_advice(saved: dict, current: dict, lr: float | None) -> str | None:
+    old_w, new_w = saved.get("world_size"), current.get("world_size")
+    old_b, new_b = _global_batch(saved), _global_batch(current)
+    if old_b is not None and new_b is not None and old_b != new_b:
+        factor = new_b / old_b
+        suggestion = f"optim.lr x {factor:g}" if lr is None else f"lr {lr:.4g} -> {lr * factor:.4g}"
+        return (f"the global batch changes {old_b} -> {new_b} (world size {old_w} -> {new_w}): with linear "
+                f"scaling the learning rate should change by x{factor:g} ({suggestion})")
+    if old_w != new_w:
+        if old_b is not None and old_b == new_b:
+            return (f"world size changes {old_w} -> {new_w} but the global batch stays {old_b}: "
+                    f"no learning-rate rescaling is needed")
+        return (f"world size changes {old_w} -> {new_w}: if the global batch changes, rescale the learning "
+                f"rate linearly (lr x new_batch / old_batch)")
+    return None
+
+
+def check_fingerprint(saved: dict, current: dict, *, allow_mismatch: bool, lr: float | None = None) -> list[str]:
+    """Compare a checkpoint's fingerprint with this run's; raise naming every difference unless allowed.
+
+    Nested dicts are compared key by key (``model.hidden_size``). ``num_workers`` may differ silently.
+    When the world size or global batch (``global_batch`` or micro_batch_size x grad_accum_steps x
+    world_size) differs, the message says how to rescale the learning rate (give ``lr`` for a number).
+    Returns the warnings to print when ``allow_mismatch`` is set (empty when nothing differs).
+    """
+    old, new = _flatten(saved), _flatten(current)
+    missing = "<absent>"
+    diffs = [
+        f"{key}: {old.get(key, missing)!r} -> {new.get(key, missing)!r}"
+        for key in sorted(old.keys() | new.keys())
+        if key not in SILENT_FINGERPRINT_KEYS and key.rsplit(".", 1)[-1] not in SILENT_FINGERPRINT_KEYS
+        and old.get(key, missing) != new.get(key, missing)
+    ]
+    if not diffs:
+        return []
+    advice = _batch_advice(saved, current, lr)
+    if not allow_mismatch:
+        lines = ["the checkpoint was written by a run that differs from this one:"]
+        lines += [f"  {d}" for d in diffs]
+        if advice:
+            lines.append(f"note: {advice}")
+        lines.append(f"Resume anyway with {OVERRIDE_FLAG}, or start fresh in another output_dir "
+                     f"(or with --run.resume=never --run.overwrite=true).")
+        raise CheckpointMismatchError("\n".join(lines))
+    warnings = [f"resuming across a fingerprint difference ({OVERRIDE_FLAG}): {d}" for d in diffs]
+    if advice:
+        warnings.append(advice)
+    return warnings

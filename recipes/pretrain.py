@@ -143,6 +143,8 @@ def main(argv: list[str]) -> None:
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not accelerator.is_main_process,
                     desc="pretrain", unit="step", dynamic_ncols=True, mininterval=1.0)
     max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
+    if state.step == 0 and cfg.eval.every:  # the baseline every curve starts from
+        tracker.log({**run_eval(), "train/tokens_seen": 0}, step=0)
     while state.step < cfg.train.max_steps:
         t_start = time.perf_counter()
         rows = next(batches)                                                          # 1. load

@@ -60,7 +60,7 @@ class Run:
         return read_metrics(self.out)
 
     def losses(self) -> dict[int, float]:
-        return {r["step"]: r["train/loss"] for r in self.metrics()}
+        return {r["step"]: r["train/loss"] for r in self.metrics() if "train/loss" in r}
 
     def weights(self) -> dict[str, torch.Tensor]:
         return load_file(self.out / "final" / "model.safetensors")

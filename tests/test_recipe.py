@@ -27,24 +27,30 @@ def smoke(tmp_path_factory):
     return rr.run(tmp_path_factory.mktemp("smoke") / "run")
 
 
+def train_rows(run):
+    return [r for r in run.metrics() if "train/loss" in r]
+
+
 def test_smoke_learns(smoke):
-    rows = smoke.metrics()
-    assert [r["step"] for r in rows] == list(range(1, 21))
+    rows = train_rows(smoke)
+    assert [r["step"] for r in smoke.metrics()] == list(range(0, 21))  # step 0: the baseline eval
     first, last = rows[0]["train/loss"], rows[-1]["train/loss"]
     assert first == pytest.approx(math.log(8192), abs=0.3)  # a fresh model is uniform over the vocabulary
     assert last < first - 1.0, (first, last)
-    evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
-    assert len(evals) == 2 and evals[1] < evals[0] < first
+    evals = [r["eval/loss"] for r in smoke.metrics() if "eval/loss" in r]
+    assert len(evals) == 3 and evals[2] < evals[1] < evals[0]
+    assert evals[0] == pytest.approx(math.log(8192), abs=0.3)
 
 
 def test_every_step_logs_the_documented_keys(smoke):
-    rows = smoke.metrics()
+    rows = train_rows(smoke)
+    assert len(rows) == 20
     for r in rows:
         assert TRAIN_KEYS <= r.keys(), TRAIN_KEYS - r.keys()
         assert r["train/tokens_seen"] == r["step"] * 8 * 64  # global batch 8 x seq_len 64
         assert 0 <= r["perf/data_wait_frac"] <= 1 and r["perf/tokens_per_s"] > 0 and 0 < r["perf/mfu"] < 1
-    eval_rows = [r for r in rows if "eval/loss" in r]
-    assert [r["step"] for r in eval_rows] == [10, 20]
+    eval_rows = [r for r in smoke.metrics() if "eval/loss" in r]
+    assert [r["step"] for r in eval_rows] == [0, 10, 20]
     assert all(r["eval/ppl"] == pytest.approx(math.exp(r["eval/loss"])) for r in eval_rows)
     lrs = [r["train/lr"] for r in rows]
     assert lrs[3] == pytest.approx(3e-3) and lrs[-1] < lrs[4]  # warmup to the peak, then decay
@@ -78,9 +84,9 @@ def test_offline_wandb_run_reads_back(smoke):
     history = [h for h in run["history"] if "train/loss" in h]
     assert [h["_step"] for h in history] == list(range(1, 21))
     assert TRAIN_KEYS <= history[0].keys()
-    losses = {r["step"]: r["train/loss"] for r in smoke.metrics()}
+    losses = {r["step"]: r["train/loss"] for r in train_rows(smoke)}
     assert all(h["train/loss"] == pytest.approx(losses[h["_step"]]) for h in history)
-    assert [h["_step"] for h in run["history"] if "eval/loss" in h] == [10, 20]
+    assert [h["_step"] for h in run["history"] if "eval/loss" in h] == [0, 10, 20]
     config = run["config"]
     assert config["train"]["max_steps"] == 20 and config["data"]["seq_len"] == 64
     assert config["params_total"] > 0 and config["runtime"]["world_size"] == 1
@@ -209,5 +215,5 @@ def test_continued_pretraining_from_an_exported_model(smoke, tmp_path):
     cont = rr.run(tmp_path / "cont", *rr.QUICK, f"--model.pretrained={smoke.out / 'final'}", "--train.max_steps=6",
                   "--optim.warmup_steps=1", "--eval.every=0", "--logging.wandb_mode=disabled")
     first = cont.metrics()[0]["train/loss"]
-    fresh = smoke.metrics()[0]["train/loss"]
-    assert first < smoke.metrics()[-1]["train/loss"] + 0.5 < fresh  # starts where the smoke run ended
+    fresh = train_rows(smoke)[0]["train/loss"]
+    assert first < train_rows(smoke)[-1]["train/loss"] + 0.5 < fresh  # starts where the smoke run ended

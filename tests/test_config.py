@@ -125,3 +125,14 @@ def test_overrides_reach_derived_fields(tmp_path):
     cfg = load_config([write(tmp_path, "model:\n  type: llama\n  overrides: {hidden_size: 192, num_attention_heads: 6}\n")])
     model_config = build_model_config(cfg.model)
     assert model_config.head_dim == 32 and model_config.use_cache is False
+
+
+def test_overrides_on_a_pretrained_config_are_applied_or_refused(tmp_path):
+    base = build_model_config(load_config([write(tmp_path, "model:\n  overrides: {hidden_size: 64, num_attention_heads: 4}\n")]).model)
+    base.save_pretrained(tmp_path / "pretrained")
+    ok = load_config([write(tmp_path, f"model:\n  pretrained: {tmp_path / 'pretrained'}\n  overrides: {{num_hidden_layers: 3}}\n")])
+    config = build_model_config(ok.model)
+    assert (config.num_hidden_layers, config.hidden_size, config.use_cache) == (3, 64, False)
+    bad = load_config([write(tmp_path, f"model:\n  pretrained: {tmp_path / 'pretrained'}\n  overrides: {{hiden_size: 3}}\n")])
+    with pytest.raises(ValueError, match="model.overrides.hiden_size \\(did you mean 'hidden_size'\\?\\)"):
+        build_model_config(bad.model)

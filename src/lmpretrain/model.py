@@ -18,24 +18,29 @@ def build_model_config(model_cfg) -> PretrainedConfig:
     hidden_size / num_attention_heads). AutoConfig accepts any keyword silently; an override that is
     not a field of the model's config would be ignored, so it is an error naming the nearest field.
     """
+    # use_cache: training never reuses a KV cache; generation asks for one explicitly.
+    overrides = {"use_cache": False, **model_cfg.overrides}
+    if model_cfg.pretrained:  # one load: from_pretrained hands back the overrides it could not apply
+        config, unused = AutoConfig.from_pretrained(model_cfg.pretrained, return_unused_kwargs=True, **overrides)
+        _refuse_unknown_overrides(config, unused)
+        return config
     try:
-        default = AutoConfig.from_pretrained(model_cfg.pretrained) if model_cfg.pretrained else \
-            AutoConfig.for_model(model_cfg.type)
+        default = AutoConfig.for_model(model_cfg.type)
     except ValueError as err:
         raise ConfigError([f"model.type={model_cfg.type!r} is not a transformers model type: {err}"]) from None
     known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
-    unknown = []
-    for key in model_cfg.overrides:
-        if key not in known:
-            near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-            unknown.append(f"model.overrides.{key}" + (f" (did you mean '{near[0]}'?)" if near else ""))
-    if unknown:
-        raise ConfigError([f"unknown field(s) for a {default.model_type} config: {', '.join(unknown)}"])
-    # use_cache: training never reuses a KV cache; generation asks for one explicitly.
-    overrides = {"use_cache": False, **model_cfg.overrides}
-    if model_cfg.pretrained:
-        return AutoConfig.from_pretrained(model_cfg.pretrained, **overrides)
+    _refuse_unknown_overrides(default, [key for key in model_cfg.overrides if key not in known])
     return AutoConfig.for_model(model_cfg.type, **overrides)
+
+
+def _refuse_unknown_overrides(config: PretrainedConfig, unknown) -> None:
+    known = sorted(set(config.to_dict()) | set(getattr(config, "attribute_map", {})))
+    named = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        named.append(f"model.overrides.{key}" + (f" (did you mean '{near[0]}'?)" if near else ""))
+    if named:
+        raise ConfigError([f"unknown field(s) for a {config.model_type} config: {', '.join(named)}"])
 
 
 def build_model(config: PretrainedConfig, pretrained: str | None = None, dtype: str = "float32") -> nn.Module:

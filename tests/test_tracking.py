@@ -203,12 +203,17 @@ def test_resume_continues_the_same_run_without_duplicate_or_backward_steps(tmp_p
     assert steps == list(range(1, 11)) and steps == sorted(set(steps))
 
 
+def logged_run(out, last_step: int) -> None:
+    """A finished run (W&B off) that logged train rows for steps 1..last_step into `out`."""
+    tracker = make_tracker(out, mode="disabled")
+    for step in range(1, last_step + 1):
+        tracker.log(train_row(step), step)
+    tracker.finish()
+
+
 def test_resume_merges_a_log_at_the_checkpoint_step_and_fresh_runs_keep_old_metrics(tmp_path):
     out = tmp_path / "run"
-    first = make_tracker(out, mode="disabled")
-    for step in range(1, 4):
-        first.log(train_row(step), step)
-    first.finish()
+    logged_run(out, last_step=3)
     second = make_tracker(out, mode="disabled", resume_step=3)
     second.log({"eval/loss": 2.0}, 3)  # same step as the last kept row: merged, not duplicated
     second.log(train_row(4), 4)
@@ -227,10 +232,7 @@ def test_resume_merges_a_log_at_the_checkpoint_step_and_fresh_runs_keep_old_metr
 
 def test_a_new_wandb_run_on_resume_gets_every_step_it_is_given(tmp_path):
     out = tmp_path / "run"
-    first = make_tracker(out, mode="disabled")
-    for step in range(1, 6):
-        first.log(train_row(step), step)
-    first.finish()
+    logged_run(out, last_step=5)
     second = make_tracker(out, resume_step=3)  # W&B on now, no run to continue: a new run
     for step in range(4, 7):
         second.log(train_row(step), step)

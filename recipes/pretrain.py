@@ -7,10 +7,10 @@ calls live in src/lmpretrain/. Per optimizer step: load one global batch, then f
 grad_accum_steps micro-batches forward (autocast) and backward a loss normalised by the number of
 target tokens in the whole global batch; gradients sync on the last micro-batch; unscale, clip,
 step (skipped on fp16 overflow, and then the schedule does not advance); log; evaluate every
-eval.every steps; checkpoint every checkpoint.every steps or when asked to stop.
+eval.every steps; checkpoint every checkpoint.every steps or when asked to stop. Under DeepSpeed the
+engine does unscale, clip and step inside the last micro-batch's backward; the loop reads the same.
 """
 
-import contextlib
 import math
 import sys
 import time
@@ -42,7 +42,7 @@ from lmpretrain.tracking import Tracker, git_commit, package_versions, wandb_log
 def main(argv: list[str]) -> None:
     # ---- Config and processes: every problem is reported before any work starts ---------------
     cfg = load_config(argv)
-    accelerator, info = runtime.setup(cfg.run.threads, cfg.run.seed, wandb_log_with(cfg.logging.wandb_mode))
+    accelerator, info = runtime.setup(cfg.train, cfg.run.threads, cfg.run.seed, wandb_log_with(cfg.logging.wandb_mode))
     say = accelerator.print
     say(f"[lmpretrain] {info.describe()}")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -66,8 +66,13 @@ def main(argv: list[str]) -> None:
     say(f"[lmpretrain] {counts['params_total']:,} parameters; optimizer groups: "
         f"{describe_groups(optimizer.param_groups)}")
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-    precision = MixedPrecision(cfg.train.precision, accelerator.device, cfg.train.loss_scale_init)
-    model, optimizer = accelerator.prepare(model, optimizer)  # DDP / FSDP / DeepSpeed wrapping
+    deepspeed = info.sharding.startswith("deepspeed")
+    precision = MixedPrecision(cfg.train.precision, accelerator.device, cfg.train.loss_scale_init, engine=deepspeed)
+    # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (on the optimizer's param groups), so it
+    # advances only after a real step under every backend.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if deepspeed:
+        say(f"[lmpretrain] {precision.check_engine_weights(model)}")
     train_data = TrainStream(
         cfg.data.train, tokenizer, seq_len=cfg.data.seq_len, num_streams=cfg.data.num_streams,
         rows_per_step=global_batch, rank=info.rank, world_size=W, num_workers=cfg.data.num_workers,
@@ -88,11 +93,12 @@ def main(argv: list[str]) -> None:
     # ---- Resume: weights, moments, schedule, scaler, RNG, data position, counters ---------------
     state = TrainState()
     if resume_from:
-        data_state, saved = checkpointer.load(resume_from, model=model, optimizer=optimizer)
-        loop_rng = capture_rng_state()  # as saved; re-applied right before the loop
+        saved = checkpointer.trainer_state(resume_from)
         for warning in check_fingerprint(saved["fingerprint"], fingerprint, allow_mismatch=cfg.run.allow_mismatch,
                                          lr=cfg.optim.lr):
             say(f"[lmpretrain] WARNING: {warning}")
+        data_state, saved = checkpointer.load(resume_from, model=model, optimizer=optimizer)
+        loop_rng = capture_rng_state()  # as saved; re-applied right before the loop
         scheduler.load_state_dict(saved["scheduler"])
         precision.load_state_dict(saved["scaler"])
         train_data.load_state_dict(data_state)
@@ -152,24 +158,27 @@ def main(argv: list[str]) -> None:
         input_ids = rows.input_ids.to(accelerator.device, non_blocking=True)
         labels = make_labels(input_ids, tokenizer.eos_token_id if cfg.train.mask_cross_doc_targets else None)
         # Normalise by the target count of the whole global batch (all micro-batches, all ranks);
-        # times W because DDP/FSDP average gradients over ranks.
+        # times W because gradients are averaged over ranks, times K because accelerator.backward
+        # divides by the accumulation steps.
         n_targets = accelerator.reduce(count_targets(labels), reduction="sum").item()
         if n_targets == 0:
             raise ValueError(f"step {state.step}: every label of the global batch is ignored (-100)")
-        loss_scale = W / n_targets
+        loss_scale = W * K / n_targets
         loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-        for k, (x, y) in enumerate(zip(input_ids.split(B), labels.split(B), strict=True)):
-            sync = k == K - 1  # gradients are all-reduced only in the last micro-batch's backward
-            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+        for x, y in zip(input_ids.split(B), labels.split(B), strict=True):
+            # Gradients are all-reduced only in the K-th micro-batch's backward (accelerate counts them).
+            with accelerator.accumulate(model):
                 with precision.autocast():
                     logits = model(input_ids=x).logits                                # 2. forward
                 micro_loss = causal_lm_loss_sum(logits, y, cfg.train.label_smoothing)  #    fp32 loss
                 accelerator.backward(precision.scale(micro_loss * loss_scale))       # 3. backward, 4. sync
             loss_sum += micro_loss.detach()
+        assert accelerator.sync_gradients, "the last micro-batch of a step must synchronise gradients"
         precision.unscale_(optimizer)                                                 # real-size grads
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm).item()  # 5. clip
+        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))  # 5. clip
         lr = optimizer.param_groups[0]["lr"]
-        stepped = precision.step(optimizer)                                           # 6. update
+        # DeepSpeed already stepped (or skipped an fp16 overflow) in backward; its step() is a no-op.
+        stepped = precision.step(optimizer) and not optimizer.step_was_skipped       # 6. update
         if stepped:
             scheduler.step()  # an fp16 overflow skip must not move the schedule
         optimizer.zero_grad(set_to_none=True)
@@ -220,13 +229,15 @@ def main(argv: list[str]) -> None:
 
     # ---- Finish: export model + tokenizer for from_pretrained / pipeline() -------------------------
     train_data.close()
-    if info.sharding.startswith("ddp"):  # replicas must hold identical parameters after training
+    if info.sharding.startswith(("ddp", "deepspeed")):  # replicas must hold identical parameters after training
         digests = runtime.replica_digests(model, accelerator)
         say(f"[lmpretrain] parameter sha256 per rank: {' '.join(digests)}")
         if len(set(digests)) != 1:
             raise RuntimeError(f"ranks hold different parameters after training: {digests}")
     final = out / "final"
-    weights = accelerator.get_state_dict(model)  # gathers shards under FSDP; every rank must call it
+    # Gathers shards under FSDP (every rank must call it). DeepSpeed ZeRO-1/2 ranks hold whole weights,
+    # and accelerate's copy of them would untie tied embeddings, so the module saves its own.
+    weights = None if deepspeed else accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(final, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(final)

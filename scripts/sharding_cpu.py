@@ -37,7 +37,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lmpretrain.config import ModelConfig
+from lmpretrain.config import ModelConfig, TrainConfig
 from lmpretrain.loss import IGNORE_INDEX, causal_lm_loss_sum, count_targets
 from lmpretrain.model import build_model, build_model_config
 from lmpretrain.optim import param_groups
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        _, info = setup(seed=args.seed)
+        _, info = setup(TrainConfig(), seed=args.seed)  # one micro-batch per step, no engine
     except LaunchError as err:
         print(f"refusing to run: {err}", file=sys.stderr)
         return 2

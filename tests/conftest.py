@@ -54,3 +54,15 @@ def stdlib_cache():
     corpus.ensure_stdlib_corpus()
     ensure_builtin_tokenizer()
     return corpus.cache_root()
+
+
+# ---- runs shared by several test modules -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def two_ranks_accum2(tmp_path_factory):
+    """DDP: 2 gloo ranks x micro-batch 2 x accumulation 2 (global batch 8), float64, 10 steps."""
+    import recipe_runner as rr
+
+    return rr.run(tmp_path_factory.mktemp("ddp") / "run", *rr.EXACT, "--train.micro_batch_size=2",
+                  "--train.grad_accum_steps=2", launch="cpu-ddp")

@@ -23,6 +23,10 @@ SMOKE = ROOT / "configs" / "smoke.yaml"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 # Fast, quiet defaults for test runs: no sample generation unless a test asks for it.
 QUICK = ["--eval.sample_tokens=0"]
+# Runs compared across launches: float64 so that a real normalisation bug is not hidden by fp32
+# summation-order noise, and each document's first target ignored so ignored tokens are uneven across ranks.
+EXACT = [*QUICK, "--train.max_steps=10", "--eval.every=5", "--checkpoint.every=0", "--eval.batches=3",
+         "--train.param_dtype=float64", "--train.mask_cross_doc_targets=true", "--logging.wandb_mode=disabled"]
 
 
 def free_port() -> int:
@@ -78,10 +82,11 @@ def run(out_dir, *overrides, launch="cpu", launch_args=(), env=None, timeout=600
     return result
 
 
-def start(out_dir, *overrides, launch="cpu", env=None, config=SMOKE, log=None) -> subprocess.Popen:
+def start(out_dir, *overrides, launch="cpu", launch_args=(), env=None, config=SMOKE, log=None) -> subprocess.Popen:
     """Start a run in its own session, so signals sent to the test runner never reach it."""
     return subprocess.Popen(
-        command(out_dir, *overrides, launch=launch, config=config), cwd=ROOT, env=env_for_runs(env),
+        command(out_dir, *overrides, launch=launch, launch_args=launch_args, config=config), cwd=ROOT,
+        env=env_for_runs(env),
         stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
     )
 

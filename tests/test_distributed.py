@@ -12,8 +12,7 @@ import yaml
 
 import recipe_runner as rr
 
-EXACT = [*rr.QUICK, "--train.max_steps=10", "--eval.every=5", "--checkpoint.every=0", "--eval.batches=3",
-         "--train.param_dtype=float64", "--train.mask_cross_doc_targets=true", "--logging.wandb_mode=disabled"]
+EXACT = rr.EXACT
 
 
 def assert_equivalent(a: rr.Run, b: rr.Run):
@@ -22,13 +21,6 @@ def assert_equivalent(a: rr.Run, b: rr.Run):
         for key in ("train/loss", "train/grad_norm", "eval/loss"):
             assert x.get(key, 0.0) == pytest.approx(y.get(key, 0.0), rel=1e-6), (key, x["step"])
     assert rr.rel_diff(a.weights(), b.weights()) < 1e-6
-
-
-@pytest.fixture(scope="module")
-def two_ranks_accum2(tmp_path_factory):
-    """2 ranks x micro-batch 2 x accumulation 2 (global batch 8)."""
-    return rr.run(tmp_path_factory.mktemp("ddp") / "run", *EXACT, "--train.micro_batch_size=2",
-                  "--train.grad_accum_steps=2", launch="cpu-ddp")
 
 
 @pytest.mark.parametrize("accum", [1, 2])

@@ -4,6 +4,8 @@ A checkpoint is ``<output_dir>/checkpoints/step-NNNNNNNN/`` holding:
 
 * ``model.safetensors``  full (unsharded) weights; tied aliases are stored once and re-created on load
 * ``optimizer.pt``       full optimizer state keyed by parameter names (survives DDP/FSDP wrapping)
+* ``deepspeed/``         instead of ``optimizer.pt`` under DeepSpeed: the engine's own checkpoint (its
+                         ZeRO optimizer partitions, one file per rank, fp32 master weights, loss scaler)
 * ``rank-00000.pt`` ...  per rank: RNG states (python, numpy, torch, CUDA) and the data-pipeline state
 * ``trainer_state.json`` counters, scheduler, scaler, world size, resolved config, fingerprint
 * ``COMPLETE``           JSON manifest ``{file: size_in_bytes}`` of every other file, written last
@@ -14,7 +16,8 @@ fsyncs it and the directory, renames the directory to ``step-N`` and fsyncs ``ch
 rename is the commit: a directory named ``step-N`` appears complete, with its marker, or not at all.
 The marker and its sizes are a second defence for copies made by other tools and truncated files.
 A crash at any point leaves the older checkpoints untouched; leftover ``.tmp-*`` directories are
-removed by the next save. Every ``torch.load`` here uses ``weights_only=True``.
+removed by the next save. Every ``torch.load`` here uses ``weights_only=True`` (DeepSpeed's loader,
+which reads only the ``deepspeed/`` directory it wrote, unpickles its own objects).
 """
 
 import json
@@ -29,6 +32,7 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
+from accelerate.utils import DistributedType
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
+DEEPSPEED_DIR = "deepspeed"
 TRAINER_STATE_FILE = "trainer_state.json"
 MARKER_FILE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -104,6 +109,13 @@ def _write_text_synced(text: str, path: Path) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file under ``path`` and the directories themselves (for files another library wrote)."""
+    for p in sorted(path.rglob("*")):
+        _fsync(p)
+    _fsync(path)
 
 
 def _remove_dir(path: Path) -> None:
@@ -203,9 +215,11 @@ def checkpoint_problem(path: Path) -> str | None:
         isinstance(k, str) and isinstance(v, int) for k, v in manifest.items()
     ):
         return f"{MARKER_FILE} is not a {{file: size}} manifest"
-    for required in (MODEL_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, rank_file(0)):
+    for required in (MODEL_FILE, TRAINER_STATE_FILE, rank_file(0)):
         if required not in manifest:
             return f"manifest lacks {required}"
+    if OPTIMIZER_FILE not in manifest and not any(name.startswith(f"{DEEPSPEED_DIR}/") for name in manifest):
+        return f"manifest lacks {OPTIMIZER_FILE} (or a {DEEPSPEED_DIR}/ optimizer)"
     ranks = sorted(int(m.group(1)) for m in map(re.compile(r"^rank-(\d{5})\.pt$").match, manifest) if m)
     if ranks != list(range(len(ranks))):
         return f"manifest has rank files {ranks}, not 0..{len(ranks) - 1}"
@@ -264,6 +278,8 @@ class Checkpointer:
         self.dir = self.output_dir / "checkpoints"
         self.state = accelerator if accelerator is not None else PartialState()
         self.keep_last = keep_last
+        # DeepSpeed's engine owns its partitioned optimizer state and writes it in its own layout.
+        self.deepspeed = self.state.distributed_type == DistributedType.DEEPSPEED
 
     # -- discovery --
 
@@ -358,15 +374,26 @@ class Checkpointer:
         # Collective calls happen on every rank whatever happened before, so a write error on one
         # rank cannot leave the others waiting inside a gather.
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(model, options=options)  # full on main, empty elsewhere (sharded)
+        # full on main, empty elsewhere (sharded); a DeepSpeed engine's module holds whole weights (ZeRO 1/2)
+        weights = get_model_state_dict(model.module if self.deepspeed else model, options=options)
         if st.is_main_process:
             error = self._try(error, self._write_model, weights, tmp / MODEL_FILE)
         del weights
-        optim_state = self._optimizer_state(model, optimizer, options)
+        if self.deepspeed:
+            # A collective (every rank writes its own partition): called on every rank whatever failed before.
+            try:
+                model.save_checkpoint(str(tmp), tag=DEEPSPEED_DIR, save_latest=False)
+            except Exception as err:  # noqa: BLE001 - re-raised by _failed after the ranks agree
+                error = error or err
+            if st.is_main_process:
+                error = self._try(error, _fsync_tree, tmp)
+        else:
+            optim_state = self._optimizer_state(model, optimizer, options)
+            if st.is_main_process:
+                error = self._try(error, _torch_save_synced, optim_state, tmp / OPTIMIZER_FILE)
+            del optim_state
         if st.is_main_process:
-            error = self._try(error, _torch_save_synced, optim_state, tmp / OPTIMIZER_FILE)
             error = self._try(error, _write_text_synced, trainer_json, tmp / TRAINER_STATE_FILE)
-        del optim_state
         rank_state = {"rank": st.process_index, "world_size": st.num_processes, "rng": rng, "data": data_state}
         error = self._try(error, _torch_save_synced, rank_state, tmp / rank_file(st.process_index))
         if any_rank(error is not None, st):
@@ -419,7 +446,7 @@ class Checkpointer:
         return get_optimizer_state_dict(model, optimizer, options=options)
 
     def _commit(self, tmp: Path, final: Path, nonce: int) -> None:
-        manifest = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         _write_text_synced(json.dumps(manifest, indent=1, sort_keys=True), tmp / MARKER_FILE)
         _fsync(tmp)
         trash = None
@@ -456,16 +483,54 @@ class Checkpointer:
 
     # -- loading --
 
-    def load(self, path, *, model, optimizer) -> tuple[dict, dict]:
-        """Restore weights, optimizer and this rank's RNG from ``path``. Returns (data state merged
-        over all ranks' files, trainer_state). Every rank must call it."""
+    def trainer_state(self, path) -> dict:
+        """The counters, config and fingerprint a checkpoint was saved with (cheap: no tensors read)."""
         path = Path(path)
         problem = checkpoint_problem(path)
         if problem is not None:
             raise CheckpointError(f"cannot load {path}: {problem}")
-        st = self.state
-        trainer_state = _read_trainer_state(path)
+        return _read_trainer_state(path)
 
+    def load(self, path, *, model, optimizer) -> tuple[dict, dict]:
+        """Restore weights, optimizer and this rank's RNG from ``path``. Returns (data state merged
+        over all ranks' files, trainer_state). Every rank must call it."""
+        path = Path(path)
+        trainer_state = self.trainer_state(path)
+        st = self.state
+        manifest = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
+        if self.deepspeed:
+            self._load_deepspeed(path, manifest, model)
+        else:
+            self._load_full(path, manifest, model, optimizer)
+
+        names = sorted(n for n in manifest if re.match(r"^rank-\d{5}\.pt$", n))
+        rank_states = [torch.load(path / n, map_location="cpu", weights_only=True) for n in names]
+        data_state = merge_data_states([r["data"] for r in rank_states])
+        if st.process_index < len(rank_states):
+            restore_rng_state(rank_states[st.process_index]["rng"])  # last: loading must not move RNGs
+        else:
+            logger.warning("checkpoint %s has RNG states for %d ranks; rank %d keeps its seeded RNG",
+                           path, len(rank_states), st.process_index)
+        return data_state, trainer_state
+
+    def _load_deepspeed(self, path: Path, manifest: dict, model) -> None:
+        ranks = sum(1 for n in manifest if re.match(r"^rank-\d{5}\.pt$", n))
+        if OPTIMIZER_FILE in manifest:
+            raise CheckpointError(f"{path} was written without DeepSpeed (full {OPTIMIZER_FILE}); DeepSpeed cannot "
+                                  f"load it: resume it with the launch config that wrote it")
+        if ranks != self.state.num_processes:
+            raise CheckpointError(f"{path} holds DeepSpeed ZeRO optimizer partitions for {ranks} ranks but "
+                                  f"{self.state.num_processes} are running: resume with {ranks} processes")
+        # The engine restores weights, fp32 master copies, moments and its loss scaler from its own files.
+        loaded, _ = model.load_checkpoint(str(path), tag=DEEPSPEED_DIR, load_optimizer_states=True,
+                                          load_lr_scheduler_states=False)
+        if loaded is None:
+            raise CheckpointError(f"DeepSpeed could not load {path / DEEPSPEED_DIR}")
+
+    def _load_full(self, path: Path, manifest: dict, model, optimizer) -> None:
+        if OPTIMIZER_FILE not in manifest:
+            raise CheckpointError(f"{path} was written by a DeepSpeed run (its optimizer state is partitioned in "
+                                  f"{DEEPSPEED_DIR}/): resume it under DeepSpeed with the same number of processes")
         weights = safetensors.torch.load_file(path / MODEL_FILE, device="cpu")
         with safetensors.safe_open(path / MODEL_FILE, framework="pt") as f:
             aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
@@ -496,14 +561,3 @@ class Checkpointer:
             for live, saved in zip(optimizer.param_groups, groups, strict=True):
                 live.update(saved)
         del optim_state
-
-        manifest = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
-        names = sorted(n for n in manifest if re.match(r"^rank-\d{5}\.pt$", n))
-        rank_states = [torch.load(path / n, map_location="cpu", weights_only=True) for n in names]
-        data_state = merge_data_states([r["data"] for r in rank_states])
-        if st.process_index < len(rank_states):
-            restore_rng_state(rank_states[st.process_index]["rng"])  # last: loading must not move RNGs
-        else:
-            logger.warning("checkpoint %s has RNG states for %d ranks; rank %d keeps its seeded RNG",
-                           path, len(rank_states), st.process_index)
-        return data_state, trainer_state

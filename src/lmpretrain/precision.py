@@ -2,6 +2,8 @@
 
 accelerate ignores mixed_precision="fp16" on CPU (no scaler, plain fp32), so the recipe owns
 autocast and the GradScaler itself and checks at start-up that the requested dtype is really used.
+Under DeepSpeed the engine owns precision instead (16-bit weights, fp32 master copies, its own loss
+scaler): this class then only reports the dtype and checks the engine's weights really use it.
 """
 
 from __future__ import annotations
@@ -23,13 +25,27 @@ class MixedPrecision:
     For bf16 and fp32 the scaler methods are pass-throughs, so the loop reads the same for all three.
     """
 
-    def __init__(self, precision: str, device: torch.device, init_scale: float = 2.0**16):
+    def __init__(self, precision: str, device: torch.device, init_scale: float = 2.0**16, engine: bool = False):
         self.precision = precision
         self.device_type = device.type
         self.dtype = DTYPES[precision]
-        self.scaler = torch.amp.GradScaler(self.device_type, init_scale=init_scale) if precision == "fp16" else None
-        if self.dtype is not None:
+        self.engine = engine  # DeepSpeed: autocast and scaling are the engine's
+        own_scaler = precision == "fp16" and not engine
+        self.scaler = torch.amp.GradScaler(self.device_type, init_scale=init_scale) if own_scaler else None
+        if self.dtype is not None and not engine:
             self._check_autocast(device)
+
+    def check_engine_weights(self, model) -> str:
+        """Under DeepSpeed: refuse a silent fp32 run (the engine casts the weights it trains); returns
+        what really runs, for the log."""
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+        if self.dtype is not None and dtypes != [str(self.dtype).removeprefix("torch.")]:
+            raise PrecisionUnavailableError(
+                f"train.precision={self.precision} requested, but the DeepSpeed engine holds {dtypes} weights; "
+                "refusing to run a silent fp32 run"
+            )
+        # ZeRO keeps float32 master weights and moments whatever the weights' dtype (float64 included).
+        return f"DeepSpeed precision: weights {'/'.join(dtypes)}, master weights and optimizer state float32"
 
     def _check_autocast(self, device: torch.device) -> None:
         a = torch.ones(8, 8, device=device)
@@ -47,7 +63,7 @@ class MixedPrecision:
             )
 
     def autocast(self):
-        if self.dtype is None:
+        if self.dtype is None or self.engine:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 

@@ -2,11 +2,13 @@
 
 Verified traps this module exists for (accelerate 1.15): `accelerate launch` exports OMP_NUM_THREADS=1,
 so a CPU run uses one core; `--cpu --num_processes 2` and a MULTI_CPU config start ONE process; plain
-`--multi_gpu` without GPUs starts unsynchronised copies; an FSDP config on CPU quietly runs DDP.
+`--multi_gpu` without GPUs starts unsynchronised copies; an FSDP config on CPU quietly runs DDP; a
+launch config's gradient_accumulation_steps or gradient_clipping silently overrides the recipe's.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -15,7 +17,11 @@ import torch
 import torch.distributed as dist
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs, set_seed
+
+# The DeepSpeed ZeRO stages this recipe runs: parameters stay whole on every rank, so checkpoints and
+# exports read them directly. Stage 3 shards parameters too; use FSDP (configs/accelerate/fsdp.yaml) for that.
+DEEPSPEED_STAGES = (1, 2)
 
 
 class LaunchError(RuntimeError):
@@ -44,10 +50,33 @@ def has_accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
-def build_accelerator(log_with=None) -> Accelerator:
-    # cpu=True on a machine without GPUs turns a torchrun-style multi-process launch into a real gloo
-    # process group; without it each process runs alone (verified with --multi_gpu on CPU).
-    return Accelerator(cpu=not has_accelerator(), log_with=log_with, mixed_precision="no")
+def deepspeed_requested() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def build_accelerator(train, log_with=None) -> Accelerator:
+    """The Accelerator for this launch; ``train`` (TrainConfig) owns accumulation, clipping and precision.
+
+    Our loop does autocast and loss scaling itself (accelerate's are no-ops on CPU), so accelerate's
+    mixed precision stays off, except under DeepSpeed, whose engine owns precision, clipping and the step.
+    """
+    accum = train.grad_accum_steps
+    if not deepspeed_requested():
+        # cpu=True on a machine without GPUs turns a torchrun-style multi-process launch into a real gloo
+        # process group; without it each process runs alone (verified with --multi_gpu on CPU).
+        return Accelerator(cpu=not has_accelerator(), log_with=log_with, mixed_precision="no",
+                           gradient_accumulation_steps=accum)
+    if importlib.util.find_spec("deepspeed") is None:
+        raise LaunchError("the launch config asks for DeepSpeed but it is not installed: pip install -r requirements.txt")
+    plugin = DeepSpeedPlugin(gradient_accumulation_steps=accum, gradient_clipping=max(train.max_grad_norm, 0.0))
+    # DeepSpeed runs on CPU through its CPU accelerator over gloo; accelerate only wires DeepSpeed up
+    # with cpu=False, and then needs the backend named (it would assume a GPU's).
+    handlers = [] if has_accelerator() else [InitProcessGroupKwargs(backend="gloo")]
+    accelerator = Accelerator(log_with=log_with, mixed_precision=train.precision, deepspeed_plugin=plugin,
+                              gradient_accumulation_steps=accum, kwargs_handlers=handlers)
+    # No dataloader goes through accelerate.prepare, so DeepSpeed learns the micro-batch here.
+    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = train.micro_batch_size
+    return accelerator
 
 
 def configure_threads(requested: int, local_world_size: int) -> int:
@@ -83,7 +112,7 @@ def requested_processes() -> int | None:
     return None
 
 
-def check_launch(accelerator: Accelerator) -> None:
+def check_launch(accelerator: Accelerator, train) -> None:
     """Refuse every degraded launch we can detect, with the command that works instead."""
     fix = "on CPU use: accelerate launch --config_file configs/accelerate/cpu-ddp.yaml recipes/pretrain.py ..."
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -105,13 +134,45 @@ def check_launch(accelerator: Accelerator) -> None:
             "(FSDP needs GPUs in accelerate; nothing would be sharded). Use a GPU machine, or "
             "configs/accelerate/cpu-ddp.yaml for data parallelism on CPU"
         )
-    if dtype == DistributedType.DEEPSPEED or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    if deepspeed_requested() and dtype != DistributedType.DEEPSPEED:
+        raise LaunchError(f"DeepSpeed was requested but accelerate runs {dtype.value} on {accelerator.device}")
+    # `accelerate launch` exports these from a launch config or its flags; the recipe config owns them.
+    owned = {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": ("train.grad_accum_steps", train.grad_accum_steps),
+             "ACCELERATE_GRADIENT_CLIPPING": ("train.max_grad_norm", max(train.max_grad_norm, 0.0))}
+    for env, (field, value) in owned.items():
+        launched = os.environ.get(env, "auto")
+        if launched != "auto" and float(launched) != value:
+            raise LaunchError(f"the launch config or flags set {env}={launched} but {field}={value}: remove it from "
+                              f"the launch (the recipe config owns it) or pass --{field}=...")
+    if dtype == DistributedType.DEEPSPEED:
+        check_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, train)
+
+
+def check_deepspeed(ds_config: dict, train) -> None:
+    """The DeepSpeed config must run what the recipe config says (a launch or DeepSpeed config file
+    can set accumulation, clipping, precision and the ZeRO stage behind the recipe's back)."""
+    from deepspeed.accelerator import get_accelerator
+
+    stage = ds_config.get("zero_optimization", {}).get("stage")
+    if stage not in DEEPSPEED_STAGES:
         raise LaunchError(
-            "DeepSpeed is not supported by this recipe yet: its engine takes over gradient accumulation, loss "
-            "scaling, clipping, the optimizer step and checkpoint layout, which this loop does itself (and "
-            "nothing here could test it without GPUs). For sharded training use configs/accelerate/fsdp.yaml "
-            "(FSDP2 full sharding)"
+            f"DeepSpeed ZeRO stage {stage} is not supported by this recipe (stages {DEEPSPEED_STAGES}: its "
+            "checkpoints and export read whole parameters). To shard parameters use configs/accelerate/fsdp.yaml"
         )
+    wanted = {"gradient_accumulation_steps": train.grad_accum_steps,
+              "gradient_clipping": max(train.max_grad_norm, 0.0),
+              "fp16.enabled": train.precision == "fp16", "bf16.enabled": train.precision == "bf16"}
+    actual = {"gradient_accumulation_steps": ds_config.get("gradient_accumulation_steps"),
+              "gradient_clipping": ds_config.get("gradient_clipping", 0.0),  # DeepSpeed's default: off
+              "fp16.enabled": ds_config.get("fp16", {}).get("enabled", False),
+              "bf16.enabled": ds_config.get("bf16", {}).get("enabled", False)}
+    for key, value in wanted.items():
+        if actual[key] != value:
+            raise LaunchError(f"the DeepSpeed config has {key}={actual[key]!r} but the recipe config asks for "
+                              f"{value!r} (train.*): remove it from the DeepSpeed/launch config, the recipe owns it")
+    if train.precision == "fp16" and not get_accelerator().is_fp16_supported():
+        raise LaunchError(f"DeepSpeed has no fp16 on {get_accelerator().device_name()}: "
+                          "use --train.precision=bf16 or no")
 
 
 def describe_runtime(accelerator: Accelerator, threads: int) -> RuntimeInfo:
@@ -136,9 +197,9 @@ def describe_runtime(accelerator: Accelerator, threads: int) -> RuntimeInfo:
     )
 
 
-def setup(threads: int = 0, seed: int = 0, log_with=None) -> tuple[Accelerator, RuntimeInfo]:
-    accelerator = build_accelerator(log_with)
-    check_launch(accelerator)
+def setup(train, threads: int = 0, seed: int = 0, log_with=None) -> tuple[Accelerator, RuntimeInfo]:
+    accelerator = build_accelerator(train, log_with)
+    check_launch(accelerator, train)
     used = configure_threads(threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     set_seed(seed)  # same seed on every rank: identical init, DDP would broadcast rank 0's anyway
     return accelerator, describe_runtime(accelerator, used)

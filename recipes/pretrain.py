@@ -204,8 +204,10 @@ def main(argv: list[str]) -> None:
             "perf/mfu": mfu(tokens_per_s / W, flops_per_token, peak),
             "perf/peak_mem_bytes": runtime.peak_memory_bytes(accelerator.device),
         }
+        if cfg.train.precision == "fp16":  # overflow skips are counted under DeepSpeed's scaler too
+            metrics["train/skipped_steps"] = state.skipped_steps
         if precision.scaler:
-            metrics.update({"train/loss_scale": precision.loss_scale, "train/skipped_steps": state.skipped_steps})
+            metrics["train/loss_scale"] = precision.loss_scale
         warnings.observe(state.step, train_loss, metrics["train/clipped"], not stepped)
         final_step = state.step == cfg.train.max_steps
         if final_step or (cfg.eval.every and state.step % cfg.eval.every == 0):                # 7. evaluate

@@ -51,8 +51,8 @@ DEEPSPEED_DIR = "deepspeed"
 TRAINER_STATE_FILE = "trainer_state.json"
 MARKER_FILE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+RANK_FILE = re.compile(r"^rank-(\d{5})\.pt$")
 _ALIASES_KEY = "lmpretrain.tied_aliases"
-# Fingerprint keys that may change between runs without a word: they change speed, not results.
 
 
 class CheckpointError(RuntimeError):
@@ -220,7 +220,7 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"manifest lacks {required}"
     if OPTIMIZER_FILE not in manifest and not any(name.startswith(f"{DEEPSPEED_DIR}/") for name in manifest):
         return f"manifest lacks {OPTIMIZER_FILE} (or a {DEEPSPEED_DIR}/ optimizer)"
-    ranks = sorted(int(m.group(1)) for m in map(re.compile(r"^rank-(\d{5})\.pt$").match, manifest) if m)
+    ranks = sorted(int(m.group(1)) for m in map(RANK_FILE.match, manifest) if m)
     if ranks != list(range(len(ranks))):
         return f"manifest has rank files {ranks}, not 0..{len(ranks) - 1}"
     for name, size in manifest.items():
@@ -498,12 +498,12 @@ class Checkpointer:
         trainer_state = self.trainer_state(path)
         st = self.state
         manifest = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
+        names = sorted(n for n in manifest if RANK_FILE.match(n))
         if self.deepspeed:
-            self._load_deepspeed(path, manifest, model)
+            self._load_deepspeed(path, manifest, model, ranks=len(names))
         else:
             self._load_full(path, manifest, model, optimizer)
 
-        names = sorted(n for n in manifest if re.match(r"^rank-\d{5}\.pt$", n))
         rank_states = [torch.load(path / n, map_location="cpu", weights_only=True) for n in names]
         data_state = merge_data_states([r["data"] for r in rank_states])
         if st.process_index < len(rank_states):
@@ -513,8 +513,7 @@ class Checkpointer:
                            path, len(rank_states), st.process_index)
         return data_state, trainer_state
 
-    def _load_deepspeed(self, path: Path, manifest: dict, model) -> None:
-        ranks = sum(1 for n in manifest if re.match(r"^rank-\d{5}\.pt$", n))
+    def _load_deepspeed(self, path: Path, manifest: dict, model, ranks: int) -> None:
         if OPTIMIZER_FILE in manifest:
             raise CheckpointError(f"{path} was written without DeepSpeed (full {OPTIMIZER_FILE}); DeepSpeed cannot "
                                   f"load it: resume it with the launch config that wrote it")

@@ -28,16 +28,16 @@ def build_model_config(model_cfg) -> PretrainedConfig:
         default = AutoConfig.for_model(model_cfg.type)
     except ValueError as err:
         raise ConfigError([f"model.type={model_cfg.type!r} is not a transformers model type: {err}"]) from None
-    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
-    _refuse_unknown_overrides(default, [key for key in model_cfg.overrides if key not in known])
+    _refuse_unknown_overrides(default, model_cfg.overrides)
     return AutoConfig.for_model(model_cfg.type, **overrides)
 
 
-def _refuse_unknown_overrides(config: PretrainedConfig, unknown) -> None:
-    known = sorted(set(config.to_dict()) | set(getattr(config, "attribute_map", {})))
+def _refuse_unknown_overrides(config: PretrainedConfig, keys) -> None:
+    """Raise naming each of ``keys`` that is not a field of ``config`` (AutoConfig would ignore it)."""
+    known = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
     named = []
-    for key in unknown:
-        near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    for key in (k for k in keys if k not in known):
+        near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         named.append(f"model.overrides.{key}" + (f" (did you mean '{near[0]}'?)" if near else ""))
     if named:
         raise ConfigError([f"unknown field(s) for a {config.model_type} config: {', '.join(named)}"])

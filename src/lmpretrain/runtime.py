@@ -50,8 +50,9 @@ def has_accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
-def deepspeed_requested() -> bool:
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+def launch_requested(flag: str) -> bool:
+    """What `accelerate launch` asked for (ACCELERATE_USE_FSDP, ...), read the way accelerate reads it."""
+    return os.environ.get(flag, "false").lower() == "true"
 
 
 def build_accelerator(train, log_with=None) -> Accelerator:
@@ -61,14 +62,14 @@ def build_accelerator(train, log_with=None) -> Accelerator:
     mixed precision stays off, except under DeepSpeed, whose engine owns precision, clipping and the step.
     """
     accum = train.grad_accum_steps
-    if not deepspeed_requested():
+    if not launch_requested("ACCELERATE_USE_DEEPSPEED"):
         # cpu=True on a machine without GPUs turns a torchrun-style multi-process launch into a real gloo
         # process group; without it each process runs alone (verified with --multi_gpu on CPU).
         return Accelerator(cpu=not has_accelerator(), log_with=log_with, mixed_precision="no",
                            gradient_accumulation_steps=accum)
     if importlib.util.find_spec("deepspeed") is None:
         raise LaunchError("the launch config asks for DeepSpeed but it is not installed: pip install -r requirements.txt")
-    plugin = DeepSpeedPlugin(gradient_accumulation_steps=accum, gradient_clipping=max(train.max_grad_norm, 0.0))
+    plugin = DeepSpeedPlugin(gradient_accumulation_steps=accum, gradient_clipping=train.max_grad_norm)
     # DeepSpeed runs on CPU through its CPU accelerator over gloo; accelerate only wires DeepSpeed up
     # with cpu=False, and then needs the backend named (it would assume a GPU's).
     handlers = [] if has_accelerator() else [InitProcessGroupKwargs(backend="gloo")]
@@ -128,17 +129,17 @@ def check_launch(accelerator: Accelerator, train) -> None:
             f"(accelerate silently starts one process for --cpu/MULTI_CPU launches); {fix}"
         )
     dtype = accelerator.distributed_type
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and dtype != DistributedType.FSDP:
+    if launch_requested("ACCELERATE_USE_FSDP") and dtype != DistributedType.FSDP:
         raise LaunchError(
             f"FSDP was requested but accelerate runs {dtype.value} on {accelerator.device} "
             "(FSDP needs GPUs in accelerate; nothing would be sharded). Use a GPU machine, or "
             "configs/accelerate/cpu-ddp.yaml for data parallelism on CPU"
         )
-    if deepspeed_requested() and dtype != DistributedType.DEEPSPEED:
+    if launch_requested("ACCELERATE_USE_DEEPSPEED") and dtype != DistributedType.DEEPSPEED:
         raise LaunchError(f"DeepSpeed was requested but accelerate runs {dtype.value} on {accelerator.device}")
     # `accelerate launch` exports these from a launch config or its flags; the recipe config owns them.
     owned = {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": ("train.grad_accum_steps", train.grad_accum_steps),
-             "ACCELERATE_GRADIENT_CLIPPING": ("train.max_grad_norm", max(train.max_grad_norm, 0.0))}
+             "ACCELERATE_GRADIENT_CLIPPING": ("train.max_grad_norm", train.max_grad_norm)}
     for env, (field, value) in owned.items():
         launched = os.environ.get(env, "auto")
         if launched != "auto" and float(launched) != value:
@@ -160,7 +161,7 @@ def check_deepspeed(ds_config: dict, train) -> None:
             "checkpoints and export read whole parameters). To shard parameters use configs/accelerate/fsdp.yaml"
         )
     wanted = {"gradient_accumulation_steps": train.grad_accum_steps,
-              "gradient_clipping": max(train.max_grad_norm, 0.0),
+              "gradient_clipping": train.max_grad_norm,
               "fp16.enabled": train.precision == "fp16", "bf16.enabled": train.precision == "bf16"}
     actual = {"gradient_accumulation_steps": ds_config.get("gradient_accumulation_steps"),
               "gradient_clipping": ds_config.get("gradient_clipping", 0.0),  # DeepSpeed's default: off

@@ -35,6 +35,7 @@ benchmark: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf runs .pytest_cache

@@ -42,7 +42,9 @@ from lmpretrain.tracking import Tracker, git_commit, package_versions, wandb_log
 def main(argv: list[str]) -> None:
     # ---- Config and processes: every problem is reported before any work starts ---------------
     cfg = load_config(argv)
-    accelerator, info = runtime.setup(cfg.train, cfg.run.threads, cfg.run.seed, wandb_log_with(cfg.logging.wandb_mode))
+    accelerator, info = runtime.setup(
+        cfg.train, cfg.run.threads, cfg.run.seed, wandb_log_with(cfg.logging.wandb_mode)
+    )
     say = accelerator.print
     say(f"[lmpretrain] {info.describe()}")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -63,28 +65,43 @@ def main(argv: list[str]) -> None:
     model = build_model(model_config, cfg.model.pretrained, cfg.train.param_dtype)
     counts = parameter_counts(model)
     optimizer = build_optimizer(model, cfg.optim)
-    say(f"[lmpretrain] {counts['params_total']:,} parameters; optimizer groups: "
-        f"{describe_groups(optimizer.param_groups)}")
+    say(
+        f"[lmpretrain] {counts['params_total']:,} parameters; optimizer groups: "
+        f"{describe_groups(optimizer.param_groups)}"
+    )
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     deepspeed = info.sharding.startswith("deepspeed")
-    precision = MixedPrecision(cfg.train.precision, accelerator.device, cfg.train.loss_scale_init, engine=deepspeed)
+    precision = MixedPrecision(
+        cfg.train.precision, accelerator.device, cfg.train.loss_scale_init, engine=deepspeed
+    )
     # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (on the optimizer's param groups), so it
     # advances only after a real step under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)
     if deepspeed:
         say(f"[lmpretrain] {precision.check_engine_weights(model)}")
     train_data = TrainStream(
-        cfg.data.train, tokenizer, seq_len=cfg.data.seq_len, num_streams=cfg.data.num_streams,
-        rows_per_step=global_batch, rank=info.rank, world_size=W, num_workers=cfg.data.num_workers,
-        seed=cfg.run.seed, shuffle=cfg.data.shuffle, shuffle_window=cfg.data.shuffle_window,
+        cfg.data.train,
+        tokenizer,
+        seq_len=cfg.data.seq_len,
+        num_streams=cfg.data.num_streams,
+        rows_per_step=global_batch,
+        rank=info.rank,
+        world_size=W,
+        num_workers=cfg.data.num_workers,
+        seed=cfg.run.seed,
+        shuffle=cfg.data.shuffle,
+        shuffle_window=cfg.data.shuffle_window,
     )
     eval_blocks = heldout_blocks(
         cfg.data.eval, tokenizer, seq_len=cfg.data.seq_len, num_blocks=cfg.eval.batches * cfg.eval.batch_size
     )
     fingerprint = {
-        **train_data.fingerprint(), "world_size": W,
+        **train_data.fingerprint(),
+        "world_size": W,
         "model": {k: v for k, v in model_config.to_diff_dict().items() if k != "transformers_version"},
-        "micro_batch_size": B, "grad_accum_steps": K, "global_batch": global_batch,
+        "micro_batch_size": B,
+        "grad_accum_steps": K,
+        "global_batch": global_batch,
     }
 
     flops_per_token = train_flops_per_token(model_config, cfg.data.seq_len)
@@ -94,8 +111,9 @@ def main(argv: list[str]) -> None:
     state = TrainState()
     if resume_from:
         saved = checkpointer.trainer_state(resume_from)
-        for warning in check_fingerprint(saved["fingerprint"], fingerprint, allow_mismatch=cfg.run.allow_mismatch,
-                                         lr=cfg.optim.lr):
+        for warning in check_fingerprint(
+            saved["fingerprint"], fingerprint, allow_mismatch=cfg.run.allow_mismatch, lr=cfg.optim.lr
+        ):
             say(f"[lmpretrain] WARNING: {warning}")
         data_state, saved = checkpointer.load(resume_from, model=model, optimizer=optimizer)
         loop_rng = capture_rng_state()  # as saved; re-applied right before the loop
@@ -106,33 +124,61 @@ def main(argv: list[str]) -> None:
         say(f"[lmpretrain] resumed from {resume_from} at step {state.step}")
 
     tracker = Tracker(
-        accelerator, output_dir=out, project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
+        accelerator,
+        output_dir=out,
+        project=cfg.logging.wandb_project,
+        mode=cfg.logging.wandb_mode,
         run_name=cfg.run.name or f"{Path(cfg.config_path).stem}-{out.name}",
         group=cfg.run.group or Path(cfg.config_path).stem,
-        run_config={**cfg.to_dict(), **counts, "packages": package_versions(), "git_commit": git_commit(),
-                    "runtime": vars(info),
-                    "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source},
-        run_id=state.wandb_run_id, resume_step=state.step if resume_from else None,
+        run_config={
+            **cfg.to_dict(),
+            **counts,
+            "packages": package_versions(),
+            "git_commit": git_commit(),
+            "runtime": vars(info),
+            "flops_per_token": flops_per_token,
+            "peak_flops": peak,
+            "peak_flops_source": peak_source,
+        },
+        run_id=state.wandb_run_id,
+        resume_step=state.step if resume_from else None,
     )
     state.wandb_run_id = tracker.run_id
     warnings = ConsoleWarnings(say)
 
     def save_checkpoint():
-        trainer_state = {**state.to_dict(), "scheduler": scheduler.state_dict(), "scaler": precision.state_dict(),
-                         "world_size": W, "config": cfg.to_dict(), "fingerprint": fingerprint}
-        path = checkpointer.save(state.step, model=model, optimizer=optimizer,
-                                 data_state=train_data.state_dict(), trainer_state=trainer_state)
+        trainer_state = {
+            **state.to_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": precision.state_dict(),
+            "world_size": W,
+            "config": cfg.to_dict(),
+            "fingerprint": fingerprint,
+        }
+        path = checkpointer.save(
+            state.step,
+            model=model,
+            optimizer=optimizer,
+            data_state=train_data.state_dict(),
+            trainer_state=trainer_state,
+        )
         say(f"[lmpretrain] saved checkpoint {path}")
 
     def run_eval():
-        metrics = evaluate(model, eval_blocks, accelerator=accelerator, precision=precision,
-                           batch_size=cfg.eval.batch_size)
+        metrics = evaluate(
+            model, eval_blocks, accelerator=accelerator, precision=precision, batch_size=cfg.eval.batch_size
+        )
         state.eval_loss = metrics["eval/loss"]
         if state.best_eval_loss is None or state.eval_loss < state.best_eval_loss:
             state.best_eval_loss = state.eval_loss
         if cfg.eval.sample_tokens and accelerator.is_main_process:
-            text = generate_sample(accelerator.unwrap_model(model), tokenizer, cfg.eval.prompt,
-                                   cfg.eval.sample_tokens, accelerator.device)
+            text = generate_sample(
+                accelerator.unwrap_model(model),
+                tokenizer,
+                cfg.eval.prompt,
+                cfg.eval.sample_tokens,
+                accelerator.device,
+            )
             tracker.log_samples(state.step, [(cfg.eval.prompt, text)])
         return metrics
 
@@ -146,14 +192,21 @@ def main(argv: list[str]) -> None:
     else:
         set_seed(cfg.run.seed + info.rank)
     preemption = PreemptionHandler()
-    progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not accelerator.is_main_process,
-                    desc="pretrain", unit="step", dynamic_ncols=True, mininterval=1.0)
+    progress = tqdm(
+        total=cfg.train.max_steps,
+        initial=state.step,
+        disable=not accelerator.is_main_process,
+        desc="pretrain",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
     max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
     if state.step == 0 and cfg.eval.every:  # the baseline every curve starts from
         tracker.log({**run_eval(), "train/tokens_seen": 0}, step=0)
     while state.step < cfg.train.max_steps:
         t_start = time.perf_counter()
-        rows = next(batches)                                                          # 1. load
+        rows = next(batches)  # 1. load
         t_data = time.perf_counter() - t_start
         input_ids = rows.input_ids.to(accelerator.device, non_blocking=True)
         labels = make_labels(input_ids, tokenizer.eos_token_id if cfg.train.mask_cross_doc_targets else None)
@@ -169,16 +222,16 @@ def main(argv: list[str]) -> None:
             # Gradients are all-reduced only in the K-th micro-batch's backward (accelerate counts them).
             with accelerator.accumulate(model):
                 with precision.autocast():
-                    logits = model(input_ids=x).logits                                # 2. forward
+                    logits = model(input_ids=x).logits  # 2. forward
                 micro_loss = causal_lm_loss_sum(logits, y, cfg.train.label_smoothing)  #    fp32 loss
-                accelerator.backward(precision.scale(micro_loss * loss_scale))       # 3. backward, 4. sync
+                accelerator.backward(precision.scale(micro_loss * loss_scale))  # 3. backward, 4. sync
             loss_sum += micro_loss.detach()
         assert accelerator.sync_gradients, "the last micro-batch of a step must synchronise gradients"
-        precision.unscale_(optimizer)                                                 # real-size grads
+        precision.unscale_(optimizer)  # real-size grads
         grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))  # 5. clip
         lr = optimizer.param_groups[0]["lr"]
         # DeepSpeed already stepped (or skipped an fp16 overflow) in backward; its step() is a no-op.
-        stepped = precision.step(optimizer) and not optimizer.step_was_skipped       # 6. update
+        stepped = precision.step(optimizer) and not optimizer.step_was_skipped  # 6. update
         if stepped:
             scheduler.step()  # an fp16 overflow skip must not move the schedule
         optimizer.zero_grad(set_to_none=True)
@@ -196,10 +249,15 @@ def main(argv: list[str]) -> None:
 
         tokens_per_s = global_batch * cfg.data.seq_len / step_time
         metrics = {
-            "train/loss": train_loss, "train/lr": lr, "train/grad_norm": grad_norm,
-            "train/clipped": grad_norm > max_norm, "train/tokens_seen": state.tokens_seen,
-            "train/epoch": rows.epoch, "train/skipped_docs": rows.skipped_docs,
-            "perf/tokens_per_s": tokens_per_s, "perf/step_time_s": step_time,
+            "train/loss": train_loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/clipped": grad_norm > max_norm,
+            "train/tokens_seen": state.tokens_seen,
+            "train/epoch": rows.epoch,
+            "train/skipped_docs": rows.skipped_docs,
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/step_time_s": step_time,
             "perf/data_wait_frac": t_data / step_time,
             "perf/mfu": mfu(tokens_per_s / W, flops_per_token, peak),
             "perf/peak_mem_bytes": runtime.peak_memory_bytes(accelerator.device),
@@ -210,16 +268,20 @@ def main(argv: list[str]) -> None:
             metrics["train/loss_scale"] = precision.loss_scale
         warnings.observe(state.step, train_loss, metrics["train/clipped"], not stepped)
         final_step = state.step == cfg.train.max_steps
-        if final_step or (cfg.eval.every and state.step % cfg.eval.every == 0):                # 7. evaluate
+        if final_step or (cfg.eval.every and state.step % cfg.eval.every == 0):  # 7. evaluate
             metrics.update(run_eval())
         tracker.log(metrics, step=state.step)
         progress.update(1)
-        progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        progress.set_postfix(
+            loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False
+        )
         if state.step % cfg.logging.every == 0 and accelerator.is_main_process:
             progress.write(format_log_line(state.step, metrics))
 
         stop = preemption.should_stop(accelerator)
-        if stop or final_step or (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0):  # 8. checkpoint
+        if (
+            stop or final_step or (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
+        ):  # 8. checkpoint
             save_checkpoint()
         if stop:
             say(f"[lmpretrain] stopped by signal after step {state.step}; resume with the same command")
@@ -231,7 +293,9 @@ def main(argv: list[str]) -> None:
 
     # ---- Finish: export model + tokenizer for from_pretrained / pipeline() -------------------------
     train_data.close()
-    if info.sharding.startswith(("ddp", "deepspeed")):  # replicas must hold identical parameters after training
+    if info.sharding.startswith(
+        ("ddp", "deepspeed")
+    ):  # replicas must hold identical parameters after training
         digests = runtime.replica_digests(model, accelerator)
         say(f"[lmpretrain] parameter sha256 per rank: {' '.join(digests)}")
         if len(set(digests)) != 1:
@@ -243,7 +307,9 @@ def main(argv: list[str]) -> None:
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(final, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(final)
-        sample = generate_sample(accelerator.unwrap_model(model), tokenizer, cfg.eval.prompt, 48, accelerator.device)
+        sample = generate_sample(
+            accelerator.unwrap_model(model), tokenizer, cfg.eval.prompt, 48, accelerator.device
+        )
         say(f"[lmpretrain] done: step {state.step}, eval loss {state.eval_loss:.4f}, model saved to {final}")
         say(f"[lmpretrain] sample: {sample!r}")
     tracker.finish()

@@ -26,8 +26,17 @@ def _stream(files=None, workers=0):
 
     tok = load_tokenizer("builtin:python-stdlib")
     src = [SourceSpec(files=files)] if files else [SourceSpec(name="python-stdlib")]
-    return TrainStream(src, tok, seq_len=SEQ_LEN, num_streams=STREAMS, rows_per_step=ROWS, rank=0, world_size=1,
-                       num_workers=workers, seed=0)
+    return TrainStream(
+        src,
+        tok,
+        seq_len=SEQ_LEN,
+        num_streams=STREAMS,
+        rows_per_step=ROWS,
+        rank=0,
+        world_size=1,
+        num_workers=workers,
+        seed=0,
+    )
 
 
 def _maxrss_mb() -> float:
@@ -62,8 +71,14 @@ def child_restore(steps: int) -> dict:
     got = next(iter(fresh)).input_ids
     restore = time.perf_counter() - start
     assert (got == want).all(), "restored step differs"
-    return {"steps": steps, "reach_by_iteration_s": by_iteration, "restore_s": restore, "identical": True,
-            "records_read_restore": fresh.records_read(), "records_read_iteration": ts.records_read()}
+    return {
+        "steps": steps,
+        "reach_by_iteration_s": by_iteration,
+        "restore_s": restore,
+        "identical": True,
+        "records_read_restore": fresh.records_read(),
+        "records_read_iteration": ts.records_read(),
+    }
 
 
 def child_rss(files: str, steps: int) -> dict:
@@ -73,11 +88,18 @@ def child_rss(files: str, steps: int) -> dict:
     after_first = _maxrss_mb()
     for _ in range(steps):
         next(it)
-    return {"files": files, "steps": steps, "rss_after_first_step_mb": after_first, "peak_rss_mb": _maxrss_mb()}
+    return {
+        "files": files,
+        "steps": steps,
+        "rss_after_first_step_mb": after_first,
+        "peak_rss_mb": _maxrss_mb(),
+    }
 
 
 def run_child(*args: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=False
+    )
     if out.returncode:
         raise SystemExit(f"child {args} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -99,13 +121,17 @@ def main() -> None:
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--throughput-steps", type=int, default=400)
     parser.add_argument("--restore-steps", type=int, default=2000)
-    parser.add_argument("--rss-steps", type=int, default=4400, help="steps of 4096 tokens (4400 ~ two 1x epochs)")
+    parser.add_argument(
+        "--rss-steps", type=int, default=4400, help="steps of 4096 tokens (4400 ~ two 1x epochs)"
+    )
     args = parser.parse_args()
     if args.child:
         kind, *rest = args.child
-        result = {"throughput": lambda: child_throughput(int(rest[0]), int(rest[1])),
-                  "restore": lambda: child_restore(int(rest[0])),
-                  "rss": lambda: child_rss(rest[0], int(rest[1]))}[kind]()
+        result = {
+            "throughput": lambda: child_throughput(int(rest[0]), int(rest[1])),
+            "restore": lambda: child_restore(int(rest[0])),
+            "rss": lambda: child_rss(rest[0], int(rest[1])),
+        }[kind]()
         print(json.dumps(result))
         return
 
@@ -114,15 +140,21 @@ def main() -> None:
 
     ensure_stdlib_corpus()
     ensure_builtin_tokenizer()
-    print(f"settings: seq_len {SEQ_LEN}, {STREAMS} streams, {ROWS} rows/step ({ROWS * SEQ_LEN} tokens/step), "
-          "default corpus (python-stdlib train), builtin tokenizer, on-the-fly tokenization")
+    print(
+        f"settings: seq_len {SEQ_LEN}, {STREAMS} streams, {ROWS} rows/step ({ROWS * SEQ_LEN} tokens/step), "
+        "default corpus (python-stdlib train), builtin tokenizer, on-the-fly tokenization"
+    )
     for workers in (0, 2):
         r = run_child("throughput", str(workers), str(args.throughput_steps))
-        print(f"(a) throughput, num_workers={workers}: {r['tokens_per_s']:,.0f} tokens/s over {r['steps']} steps")
+        print(
+            f"(a) throughput, num_workers={workers}: {r['tokens_per_s']:,.0f} tokens/s over {r['steps']} steps"
+        )
     r = run_child("restore", str(args.restore_steps))
-    print(f"(b) position after {r['steps']} steps: reached by iteration in {r['reach_by_iteration_s']:.2f}s "
-          f"({r['records_read_iteration']} records read); restored (new stream + load + first step) in "
-          f"{r['restore_s']:.2f}s ({r['records_read_restore']} records read); next step identical: {r['identical']}")
+    print(
+        f"(b) position after {r['steps']} steps: reached by iteration in {r['reach_by_iteration_s']:.2f}s "
+        f"({r['records_read_iteration']} records read); restored (new stream + load + first step) in "
+        f"{r['restore_s']:.2f}s ({r['records_read_restore']} records read); next step identical: {r['identical']}"
+    )
     tmp = Path(tempfile.mkdtemp(prefix="lmpretrain-bench-"))
     try:
         one = str(ensure_stdlib_corpus() / "train-*.jsonl")
@@ -131,10 +163,12 @@ def main() -> None:
         r10 = run_child("rss", ten, str(args.rss_steps))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"(c) peak RSS over {args.rss_steps} steps ({args.rss_steps * ROWS * SEQ_LEN / 1e6:.1f}M tokens): "
-          f"1x corpus {r1['peak_rss_mb']:.0f} MB (after first step {r1['rss_after_first_step_mb']:.0f} MB), "
-          f"10x corpus {r10['peak_rss_mb']:.0f} MB (after first step {r10['rss_after_first_step_mb']:.0f} MB); "
-          f"ratio {r10['peak_rss_mb'] / r1['peak_rss_mb']:.3f}")
+    print(
+        f"(c) peak RSS over {args.rss_steps} steps ({args.rss_steps * ROWS * SEQ_LEN / 1e6:.1f}M tokens): "
+        f"1x corpus {r1['peak_rss_mb']:.0f} MB (after first step {r1['rss_after_first_step_mb']:.0f} MB), "
+        f"10x corpus {r10['peak_rss_mb']:.0f} MB (after first step {r10['rss_after_first_step_mb']:.0f} MB); "
+        f"ratio {r10['peak_rss_mb'] / r1['peak_rss_mb']:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--plot", default="compare_runs.png", help="PNG to write (default: %(default)s)")
-    parser.add_argument("--assert-close", type=float, metavar="TOL",
-                        help="exit 1 when any two runs' train/loss differ by more than TOL at a common step")
-    parser.add_argument("--wandb", action="store_true", help="read the offline W&B files instead of metrics.jsonl")
+    parser.add_argument(
+        "--assert-close",
+        type=float,
+        metavar="TOL",
+        help="exit 1 when any two runs' train/loss differ by more than TOL at a common step",
+    )
+    parser.add_argument(
+        "--wandb", action="store_true", help="read the offline W&B files instead of metrics.jsonl"
+    )
     args = parser.parse_args(argv)
 
     runs = load_runs(args.run_dirs, source="wandb" if args.wandb else "metrics")

@@ -22,7 +22,9 @@ from lmpretrain.tokenizer import load_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--files", action="append", help="file, glob or folder (repeatable)")
     src.add_argument("--builtin", help="a builtin dataset, e.g. python-stdlib")
@@ -31,12 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default="train")
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--format", choices=["text", "json", "parquet"])
-    parser.add_argument("--tokenizer", default="builtin:python-stdlib", help="local dir, Hub id or builtin:...")
+    parser.add_argument(
+        "--tokenizer", default="builtin:python-stdlib", help="local dir, Hub id or builtin:..."
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
-    spec = SourceSpec(name=args.builtin, files=args.files, hub=args.hub, hub_config=args.hub_config,
-                      split=args.split, format=args.format, text_field=args.text_field)
+    spec = SourceSpec(
+        name=args.builtin,
+        files=args.files,
+        hub=args.hub,
+        hub_config=args.hub_config,
+        split=args.split,
+        format=args.format,
+        text_field=args.text_field,
+    )
     start = time.time()
     try:
         shards = pretokenize(spec, load_tokenizer(args.tokenizer), args.out)
@@ -44,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = json.loads((Path(args.out) / TOKENS_META).read_text())
-    print(f"wrote {len(shards)} shards to {args.out} in {time.time() - start:.1f}s: {meta['documents']:,} documents, "
-          f"{meta['tokens']:,} tokens (tokenizer {meta['tokenizer_hash']})")
+    print(
+        f"wrote {len(shards)} shards to {args.out} in {time.time() - start:.1f}s: {meta['documents']:,} documents, "
+        f"{meta['tokens']:,} tokens (tokenizer {meta['tokenizer_hash']})"
+    )
     print(f"use it as a source: {{files: [{args.out}], format: tokens}}")
     return 0
 

@@ -45,8 +45,13 @@ from lmpretrain.runtime import LaunchError, setup
 
 MODES = ("ddp", "fsdp2", "zero")
 MODEL = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 64,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 64,
     "head_dim": 16,  # AutoConfig.for_model keeps the 4096-wide default (128) when only hidden_size changes
 }
 # Embeddings decay so both big matrices share one group: ZeRO places whole tensors greedily, group by
@@ -62,7 +67,7 @@ def batch(args, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     drop = torch.linspace(0.0, 0.6, args.global_batch).unsqueeze(1)
     labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < drop, IGNORE_INDEX)
     rows = args.global_batch // world
-    return ids[rank * rows:(rank + 1) * rows], labels[rank * rows:(rank + 1) * rows]
+    return ids[rank * rows : (rank + 1) * rows], labels[rank * rows : (rank + 1) * rows]
 
 
 def build(mode: str, seed: int):
@@ -100,8 +105,10 @@ def optimizer_state_bytes(optimizer) -> int:
 
 def full_params(model) -> dict[str, torch.Tensor]:
     """Every parameter whole, on every rank (FSDP2 shards are all-gathered)."""
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def train(mode: str, args, rank: int, world: int) -> dict:
@@ -123,8 +130,12 @@ def train(mode: str, args, rank: int, world: int) -> dict:
         grad_norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
     params = full_params(model)
     digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params.values())).hexdigest()[:16]
-    report = {"rank": rank, "optimizer_state_bytes": optimizer_state_bytes(optimizer),
-              "param_bytes": local_bytes(model.parameters()), "param_digest": digest}
+    report = {
+        "rank": rank,
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
+        "param_bytes": local_bytes(model.parameters()),
+        "param_digest": digest,
+    }
     ranks = [None] * world
     dist.all_gather_object(ranks, report)
     return {"losses": losses, "grad_norms": grad_norms, "ranks": ranks}, params
@@ -137,14 +148,26 @@ def max_rel_diff(params: dict, ref: dict) -> float:
 
 def table(report: dict) -> str:
     world = report["world_size"]
-    head = ["mode", *[f"optim bytes r{r}" for r in range(world)], "vs ddp", "param bytes r0", "max rel diff",
-            "max |dloss|"]
+    head = [
+        "mode",
+        *[f"optim bytes r{r}" for r in range(world)],
+        "vs ddp",
+        "param bytes r0",
+        "max rel diff",
+        "max |dloss|",
+    ]
     rows = [head]
     for mode, m in report["modes"].items():
-        rows.append([mode, *[f"{r['optimizer_state_bytes']:,}" for r in m["ranks"]],
-                     "/".join(f"{x:.3f}" for x in m["state_ratio_vs_ddp"]),
-                     f"{m['ranks'][0]['param_bytes']:,}",
-                     f"{m['max_rel_param_diff_vs_ddp']:.2e}", f"{m['max_abs_loss_diff_vs_ddp']:.2e}"])
+        rows.append(
+            [
+                mode,
+                *[f"{r['optimizer_state_bytes']:,}" for r in m["ranks"]],
+                "/".join(f"{x:.3f}" for x in m["state_ratio_vs_ddp"]),
+                f"{m['ranks'][0]['param_bytes']:,}",
+                f"{m['max_rel_param_diff_vs_ddp']:.2e}",
+                f"{m['max_abs_loss_diff_vs_ddp']:.2e}",
+            ]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
@@ -164,17 +187,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refusing to run: {err}", file=sys.stderr)
         return 2
     if info.world_size < 2 or info.backend != "gloo" or args.global_batch % info.world_size:
-        print(f"refusing to run: needs >= 2 gloo processes splitting --global-batch evenly, got "
-              f"{info.describe()}; launch with: ACCELERATE_USE_CPU=true accelerate launch --multi_gpu "
-              "--num_processes 2 scripts/sharding_cpu.py", file=sys.stderr)
+        print(
+            f"refusing to run: needs >= 2 gloo processes splitting --global-batch evenly, got "
+            f"{info.describe()}; launch with: ACCELERATE_USE_CPU=true accelerate launch --multi_gpu "
+            "--num_processes 2 scripts/sharding_cpu.py",
+            file=sys.stderr,
+        )
         return 2
     rank, world, main_process = info.rank, info.world_size, info.rank == 0
     if main_process:
-        print(f"process group: world_size={world} backend={info.backend} "
-              f"distributed_type={info.distributed_type} threads/process={info.threads}", flush=True)
+        print(
+            f"process group: world_size={world} backend={info.backend} "
+            f"distributed_type={info.distributed_type} threads/process={info.threads}",
+            flush=True,
+        )
 
-    report = {"world_size": world, "backend": info.backend, "distributed_type": info.distributed_type,
-              "steps": args.steps, "dtype": "float64", "model": MODEL, "modes": {}}
+    report = {
+        "world_size": world,
+        "backend": info.backend,
+        "distributed_type": info.distributed_type,
+        "steps": args.steps,
+        "dtype": "float64",
+        "model": MODEL,
+        "modes": {},
+    }
     reference = None
     for mode in MODES:
         result, params = train(mode, args, rank, world)
@@ -183,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         result["max_rel_param_diff_vs_ddp"] = max_rel_diff(params, reference)
         pairs = zip(result["losses"], ref_result["losses"], strict=True)
         result["max_abs_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in pairs)
-        result["state_ratio_vs_ddp"] = [r["optimizer_state_bytes"] / d["optimizer_state_bytes"]
-                                        for r, d in zip(result["ranks"], ref_result["ranks"], strict=True)]
+        result["state_ratio_vs_ddp"] = [
+            r["optimizer_state_bytes"] / d["optimizer_state_bytes"]
+            for r, d in zip(result["ranks"], ref_result["ranks"], strict=True)
+        ]
         report["modes"][mode] = result
         if main_process:
             print(f"{mode:>5} losses: " + " ".join(f"{x:.6f}" for x in result["losses"]), flush=True)

@@ -1,7 +1,7 @@
 """Train a byte-level BPE tokenizer on any text source and save it as a transformers fast tokenizer.
 
-    python scripts/train_tokenizer.py --files 'data/*.jsonl' --text-field text --vocab-size 8192 --out tok/
-    python scripts/train_tokenizer.py --builtin python-stdlib --out tok/
+python scripts/train_tokenizer.py --files 'data/*.jsonl' --text-field text --vocab-size 8192 --out tok/
+python scripts/train_tokenizer.py --builtin python-stdlib --out tok/
 """
 
 from __future__ import annotations
@@ -28,19 +28,28 @@ def texts_of(spec: SourceSpec, max_docs: int | None) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--files", action="append", help="file, glob or folder (repeatable): txt/md/py, json/jsonl, parquet")
+    src.add_argument(
+        "--files", action="append", help="file, glob or folder (repeatable): txt/md/py, json/jsonl, parquet"
+    )
     src.add_argument("--builtin", help="a builtin dataset, e.g. python-stdlib (its train split)")
     parser.add_argument("--text-field", default="text", help="column holding the text (json/parquet)")
-    parser.add_argument("--format", choices=["text", "json", "parquet"], help="default: from the file extension")
+    parser.add_argument(
+        "--format", choices=["text", "json", "parquet"], help="default: from the file extension"
+    )
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--max-docs", type=int, help="train on at most this many documents")
     parser.add_argument("--out", required=True, help="output folder (save_pretrained)")
     args = parser.parse_args(argv)
 
-    spec = SourceSpec(name=args.builtin, split="train") if args.builtin else SourceSpec(
-        files=args.files, format=args.format, text_field=args.text_field)
+    spec = (
+        SourceSpec(name=args.builtin, split="train")
+        if args.builtin
+        else SourceSpec(files=args.files, format=args.format, text_field=args.text_field)
+    )
     start = time.time()
     try:
         tok = train_bpe(texts_of(spec, args.max_docs), args.vocab_size, args.out)
@@ -49,9 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     example = "def greet(name):\n    return f'hello {name}'\n"
     ids = tok(example)["input_ids"]
-    print(f"saved to {args.out} in {time.time() - start:.1f}s: vocab size {len(tok)}; "
-          f"bos/eos/pad = {tok.bos_token_id}/{tok.eos_token_id}/{tok.pad_token_id}")
-    print(f"example: {example!r} -> {len(ids)} tokens {ids[:16]}... -> decodes back: {tok.decode(ids) == example}")
+    print(
+        f"saved to {args.out} in {time.time() - start:.1f}s: vocab size {len(tok)}; "
+        f"bos/eos/pad = {tok.bos_token_id}/{tok.eos_token_id}/{tok.pad_token_id}"
+    )
+    print(
+        f"example: {example!r} -> {len(ids)} tokens {ids[:16]}... -> decodes back: {tok.decode(ids) == example}"
+    )
     return 0
 
 

@@ -9,8 +9,10 @@ import pytest
 
 # ---- data fixtures (tiny corpora, a small tokenizer, an isolated corpus cache) ---------------------------
 
-_WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-          "upsilon phi chi psi omega def return class import for while if else None True False").split()
+_WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega def return class import for while if else None True False"
+).split()
 
 
 def make_doc(tag: str, rng: random.Random, max_words: int = 60) -> str:
@@ -19,8 +21,9 @@ def make_doc(tag: str, rng: random.Random, max_words: int = 60) -> str:
     return f"<{tag}> {words}\n"
 
 
-def write_jsonl_shards(folder, docs_per_shard: list[int], *, prefix: str = "shard", seed: int = 0,
-                       field: str = "text") -> list[str]:
+def write_jsonl_shards(
+    folder, docs_per_shard: list[int], *, prefix: str = "shard", seed: int = 0, field: str = "text"
+) -> list[str]:
     """JSONL shards with `docs_per_shard[i]` documents each; returns the file paths."""
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
@@ -64,5 +67,10 @@ def two_ranks_accum2(tmp_path_factory):
     """DDP: 2 gloo ranks x micro-batch 2 x accumulation 2 (global batch 8), float64, 10 steps."""
     import recipe_runner as rr
 
-    return rr.run(tmp_path_factory.mktemp("ddp") / "run", *rr.EXACT, "--train.micro_batch_size=2",
-                  "--train.grad_accum_steps=2", launch="cpu-ddp")
+    return rr.run(
+        tmp_path_factory.mktemp("ddp") / "run",
+        *rr.EXACT,
+        "--train.micro_batch_size=2",
+        "--train.grad_accum_steps=2",
+        launch="cpu-ddp",
+    )

@@ -25,8 +25,16 @@ ACCELERATE = Path(sys.executable).with_name("accelerate")
 QUICK = ["--eval.sample_tokens=0"]
 # Runs compared across launches: float64 so that a real normalisation bug is not hidden by fp32
 # summation-order noise, and each document's first target ignored so ignored tokens are uneven across ranks.
-EXACT = [*QUICK, "--train.max_steps=10", "--eval.every=5", "--checkpoint.every=0", "--eval.batches=3",
-         "--train.param_dtype=float64", "--train.mask_cross_doc_targets=true", "--logging.wandb_mode=disabled"]
+EXACT = [
+    *QUICK,
+    "--train.max_steps=10",
+    "--eval.every=5",
+    "--checkpoint.every=0",
+    "--eval.batches=3",
+    "--train.param_dtype=float64",
+    "--train.mask_cross_doc_targets=true",
+    "--logging.wandb_mode=disabled",
+]
 
 
 def free_port() -> int:
@@ -38,8 +46,13 @@ def free_port() -> int:
 def env_for_runs(extra: dict | None = None) -> dict:
     # No inherited W&B service (a test that called wandb.init exports WANDB_SERVICE) or key.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "WANDB_"))}
-    env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1",
-               WANDB_SILENT="true")
+    env.update(
+        WANDB_MODE="offline",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        WANDB_SILENT="true",
+    )
     env.update(extra or {})
     return env
 
@@ -70,10 +83,16 @@ class Run:
         return load_file(self.out / "final" / "model.safetensors")
 
 
-def run(out_dir, *overrides, launch="cpu", launch_args=(), env=None, timeout=600, check=True, config=SMOKE) -> Run:
+def run(
+    out_dir, *overrides, launch="cpu", launch_args=(), env=None, timeout=600, check=True, config=SMOKE
+) -> Run:
     proc = subprocess.run(
         command(out_dir, *overrides, launch=launch, launch_args=launch_args, config=config),
-        cwd=ROOT, env=env_for_runs(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        env=env_for_runs(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         timeout=timeout,
     )
     result = Run(Path(out_dir), proc.returncode, proc.stdout)
@@ -82,12 +101,17 @@ def run(out_dir, *overrides, launch="cpu", launch_args=(), env=None, timeout=600
     return result
 
 
-def start(out_dir, *overrides, launch="cpu", launch_args=(), env=None, config=SMOKE, log=None) -> subprocess.Popen:
+def start(
+    out_dir, *overrides, launch="cpu", launch_args=(), env=None, config=SMOKE, log=None
+) -> subprocess.Popen:
     """Start a run in its own session, so signals sent to the test runner never reach it."""
     return subprocess.Popen(
-        command(out_dir, *overrides, launch=launch, launch_args=launch_args, config=config), cwd=ROOT,
+        command(out_dir, *overrides, launch=launch, launch_args=launch_args, config=config),
+        cwd=ROOT,
         env=env_for_runs(env),
-        stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log or subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 
@@ -137,7 +161,9 @@ def file_sha256(path) -> str:
 def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest relative L2 difference over the parameter tensors of two state dicts."""
     assert a.keys() == b.keys()
-    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30)).item() for k in a)
+    return max(
+        ((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30)).item() for k in a
+    )
 
 
 def launch_two_ranks(script, *args: str, timeout: float = 120) -> list[str]:
@@ -146,11 +172,26 @@ def launch_two_ranks(script, *args: str, timeout: float = 120) -> list[str]:
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2"}
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "src"),
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:

@@ -33,8 +33,14 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 def tiny_llama(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
         attention_dropout=0.1,  # the forward pass draws from the torch RNG, so resume needs it restored
     )
     model = LlamaForCausalLM(config)
@@ -72,8 +78,13 @@ def assert_same_tensors(a: dict, b: dict) -> None:
 def save_simple(ck: Checkpointer, step: int, eval_loss=None, model=None) -> Path:
     model = model or torch.nn.Linear(3, 2)
     trainer_state = {"step": step, "eval_loss": eval_loss, "world_size": 1}
-    return ck.save(step, model=model, optimizer=adamw(model), data_state={"streams": {0: {"pos": step}}},
-                   trainer_state=trainer_state)
+    return ck.save(
+        step,
+        model=model,
+        optimizer=adamw(model),
+        data_state={"streams": {0: {"pos": step}}},
+        trainer_state=trainer_state,
+    )
 
 
 # ---- round trips -------------------------------------------------------------------------------------
@@ -88,14 +99,25 @@ def test_round_trip_restores_weights_optimizer_rng_data_and_trainer_state(tmp_pa
         scheduler.step()
     random.seed(5)
     np.random.seed(6)
-    data_state = {"streams": {0: {"pos": torch.tensor([3, 4]), "window": [1, 2], "doc": "a.py"}, 2: {"pos": 7}}}
-    trainer_state = {
-        "step": 3, "tokens_seen": 72, "best_eval_loss": 2.5, "eval_loss": 2.75, "skipped_steps": 0,
-        "wandb_run_id": "abc123", "scheduler": scheduler.state_dict(), "scaler": None, "world_size": 1,
-        "config": {"optim": {"lr": 3e-3}}, "fingerprint": {"seq_len": 12},
+    data_state = {
+        "streams": {0: {"pos": torch.tensor([3, 4]), "window": [1, 2], "doc": "a.py"}, 2: {"pos": 7}}
     }
-    path = Checkpointer(tmp_path).save(3, model=model, optimizer=optimizer, data_state=data_state,
-                                       trainer_state=trainer_state)
+    trainer_state = {
+        "step": 3,
+        "tokens_seen": 72,
+        "best_eval_loss": 2.5,
+        "eval_loss": 2.75,
+        "skipped_steps": 0,
+        "wandb_run_id": "abc123",
+        "scheduler": scheduler.state_dict(),
+        "scaler": None,
+        "world_size": 1,
+        "config": {"optim": {"lr": 3e-3}},
+        "fingerprint": {"seq_len": 12},
+    }
+    path = Checkpointer(tmp_path).save(
+        3, model=model, optimizer=optimizer, data_state=data_state, trainer_state=trainer_state
+    )
     assert path == tmp_path / "checkpoints" / "step-00000003"
     expected_draws = draws()
 
@@ -150,8 +172,9 @@ def test_model_file_is_safetensors_with_the_tied_alias_stored_once(tmp_path):
     from safetensors import safe_open
 
     model = tiny_llama(0)
-    path = Checkpointer(tmp_path).save(0, model=model, optimizer=adamw(model), data_state={},
-                                       trainer_state={"step": 0})
+    path = Checkpointer(tmp_path).save(
+        0, model=model, optimizer=adamw(model), data_state={}, trainer_state={"step": 0}
+    )
     with safe_open(path / "model.safetensors", framework="pt") as f:
         keys = set(f.keys())
     assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
@@ -162,8 +185,9 @@ def test_saving_an_unstepped_optimizer_leaves_it_untouched(tmp_path):
     # torch's get_optimizer_state_dict would initialise it with a fake step (step=1), changing the run.
     model = torch.nn.Linear(3, 2)
     optimizer = adamw(model)
-    path = Checkpointer(tmp_path).save(0, model=model, optimizer=optimizer, data_state={},
-                                       trainer_state={"step": 0})
+    path = Checkpointer(tmp_path).save(
+        0, model=model, optimizer=optimizer, data_state={}, trainer_state={"step": 0}
+    )
     assert not optimizer.state
     stepped_model = torch.nn.Linear(3, 2)
     stepped = adamw(stepped_model)
@@ -179,8 +203,13 @@ def test_data_state_that_cannot_be_loaded_safely_is_refused_before_writing(tmp_p
     ck = Checkpointer(tmp_path)
     model = torch.nn.Linear(3, 2)
     with pytest.raises(CheckpointError, match=r"numpy.int64.*convert"):
-        ck.save(1, model=model, optimizer=adamw(model), data_state={"streams": {0: {"pos": np.int64(3)}}},
-                trainer_state={"step": 1})
+        ck.save(
+            1,
+            model=model,
+            optimizer=adamw(model),
+            data_state={"streams": {0: {"pos": np.int64(3)}}},
+            trainer_state={"step": 1},
+        )
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
 
 
@@ -214,7 +243,9 @@ def test_truncated_newest_checkpoint_falls_back_to_previous_with_warning(tmp_pat
     optim_file.write_bytes(optim_file.read_bytes()[:100])
     with caplog.at_level(logging.WARNING, logger="lmpretrain.checkpoint"):
         assert ck.latest() == first
-    assert "ignoring checkpoint" in caplog.text and "step-00000002" in caplog.text and "truncated" in caplog.text
+    assert (
+        "ignoring checkpoint" in caplog.text and "step-00000002" in caplog.text and "truncated" in caplog.text
+    )
     model = torch.nn.Linear(3, 2)
     data, state = ck.load(ck.latest(), model=model, optimizer=adamw(model))
     assert state["step"] == 1 and data == {"streams": {0: {"pos": 1}}}
@@ -291,8 +322,13 @@ def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, wher
     script = tmp_path / "child.py"
     script.write_text(CRASH_CHILD)
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    child = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), where], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "run"), where],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = child.stdout.readline()
         assert line.strip() in ("WRITING", "RENAMING"), child.stderr.read()
@@ -351,13 +387,26 @@ def test_unwritable_output_dir_is_a_clear_error(tmp_path):
 # ---- fingerprints -----------------------------------------------------------------------------------------
 
 
-SAVED_FP = {"sources": ["stdlib"], "seq_len": 128, "model": {"hidden_size": 32, "layers": 2}, "num_workers": 2,
-            "world_size": 2, "micro_batch_size": 4, "grad_accum_steps": 1, "global_batch": 8}
+SAVED_FP = {
+    "sources": ["stdlib"],
+    "seq_len": 128,
+    "model": {"hidden_size": 32, "layers": 2},
+    "num_workers": 2,
+    "world_size": 2,
+    "micro_batch_size": 4,
+    "grad_accum_steps": 1,
+    "global_batch": 8,
+}
 
 
 def test_fingerprint_mismatch_names_every_key_and_the_override():
-    current = {**SAVED_FP, "seq_len": 256, "model": {"hidden_size": 64, "layers": 2}, "num_workers": 0,
-               "tokenizer": "bpe-1k"}
+    current = {
+        **SAVED_FP,
+        "seq_len": 256,
+        "model": {"hidden_size": 64, "layers": 2},
+        "num_workers": 0,
+        "tokenizer": "bpe-1k",
+    }
     with pytest.raises(CheckpointMismatchError) as err:
         check_fingerprint(SAVED_FP, current, allow_mismatch=False)
     message = str(err.value)
@@ -490,11 +539,20 @@ def test_two_ranks_save_their_own_rng_and_data_and_get_them_back_ddp_and_fsdp2(t
         assert r["latest"].endswith("step-00000002")
         assert r["fsdp_ok"], rank
     assert results[0]["failed"].startswith("another rank failed to start step-00000003")
-    assert results[1]["failed"].startswith("failed to start step-00000003") and "numpy.int64" in results[1]["failed"]
+    assert (
+        results[1]["failed"].startswith("failed to start step-00000003")
+        and "numpy.int64" in results[1]["failed"]
+    )
     assert results[0]["expected"] != results[1]["expected"]  # the ranks really had different RNG streams
     path = out / "checkpoints" / "step-00000002"
     assert sorted(p.name for p in path.iterdir()) == [
-        "COMPLETE", "model.safetensors", "optimizer.pt", "rank-00000.pt", "rank-00001.pt", "trainer_state.json"]
+        "COMPLETE",
+        "model.safetensors",
+        "optimizer.pt",
+        "rank-00000.pt",
+        "rank-00001.pt",
+        "trainer_state.json",
+    ]
 
     # Resuming on a different world size (1 process): every rank's streams, rank 0's RNG.
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))

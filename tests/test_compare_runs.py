@@ -24,21 +24,31 @@ def make_run_dir(path: Path, lr: float, loss_shift: float = 0.0, steps: int = 20
     path.mkdir(parents=True)
     rows = []
     for step in range(1, steps + 1):
-        row = {"step": step, "train/loss": 6.0 * math.exp(-step / 10) + 1 + loss_shift, "train/lr": lr,
-               "train/tokens_seen": 512 * step, "perf/tokens_per_s": 1000.0 + step, "_timestamp": 1000.0 + 2 * step}
+        row = {
+            "step": step,
+            "train/loss": 6.0 * math.exp(-step / 10) + 1 + loss_shift,
+            "train/lr": lr,
+            "train/tokens_seen": 512 * step,
+            "perf/tokens_per_s": 1000.0 + step,
+            "_timestamp": 1000.0 + 2 * step,
+        }
         if step % 5 == 0:
             row.update({"eval/loss": 6.5 * math.exp(-step / 12) + 1.2 + loss_shift})
         rows.append(row)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = {"run": {"output_dir": str(path), "seed": seed}, "optim": {"lr": lr, "min_lr": 1e-5},
-              "model": {"type": "llama", "overrides": {"hidden_size": 64}}}
+    config = {
+        "run": {"output_dir": str(path), "seed": seed},
+        "optim": {"lr": lr, "min_lr": 1e-5},
+        "model": {"type": "llama", "overrides": {"hidden_size": 64}},
+    }
     (path / "config.yaml").write_text(yaml.safe_dump(config))
     return path
 
 
 def compare(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
 
 
 def test_table_diff_plot_and_assert_close_pass_for_identical_runs(tmp_path):
@@ -49,8 +59,15 @@ def test_table_diff_plot_and_assert_close_pass_for_identical_runs(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     header = out.splitlines()[0]
-    for title in ("run", "steps", "final train loss", "final eval loss", "best eval loss", "tokens/s (median)",
-                  "wall time (s)"):
+    for title in (
+        "run",
+        "steps",
+        "final train loss",
+        "final eval loss",
+        "best eval loss",
+        "tokens/s (median)",
+        "wall time (s)",
+    ):
         assert title in header
     final_train = f"{6.0 * math.exp(-2) + 1:.4f}"
     assert out.splitlines()[2].split()[:3] == ["a", "20", final_train]
@@ -68,8 +85,10 @@ def test_assert_close_fails_for_different_learning_rates(tmp_path):
     result = compare(a, b, "--plot", tmp_path / "p.png", "--assert-close", "0.01")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "NOT CLOSE: a vs b: max |diff| of train/loss = 0.05" in result.stdout
-    assert any(line.startswith("optim.lr") and "0.001" in line and "0.003" in line
-               for line in result.stdout.splitlines())
+    assert any(
+        line.startswith("optim.lr") and "0.001" in line and "0.003" in line
+        for line in result.stdout.splitlines()
+    )
     assert compare(a, b, "--plot", tmp_path / "p.png", "--assert-close", "0.1").returncode == 0
     assert compare(a, b, "--plot", tmp_path / "p.png").returncode == 0  # no check asked
 
@@ -102,9 +121,15 @@ def test_wandb_source_reads_real_offline_runs(tmp_path, monkeypatch):
     try:
         for name, lr in (("lr1", 1e-3), ("lr3", 3e-3)):
             out = tmp_path / name
-            tracker = Tracker(Accelerator(log_with=wandb_log_with("offline"), cpu=True), output_dir=out,
-                              project="cmp", mode="offline", run_name=name, group="g",
-                              run_config={"optim": {"lr": lr}, "seed": 0})
+            tracker = Tracker(
+                Accelerator(log_with=wandb_log_with("offline"), cpu=True),
+                output_dir=out,
+                project="cmp",
+                mode="offline",
+                run_name=name,
+                group="g",
+                run_config={"optim": {"lr": lr}, "seed": 0},
+            )
             for step in range(1, 11):
                 tracker.log({"train/loss": 3.0 / step + lr, "train/tokens_seen": 100 * step}, step)
                 if step % 5 == 0:

@@ -16,8 +16,16 @@ def write(tmp_path, text):
 
 def test_yaml_then_overrides_typed(tmp_path):
     path = write(tmp_path, "train:\n  max_steps: 10\noptim:\n  lr: 1e-3\n")
-    cfg = load_config([path, "--train.max_steps=30", "--optim.min_lr", "2e-5", "--data.shuffle=false",
-                       "--model.overrides.hidden_size=32"])
+    cfg = load_config(
+        [
+            path,
+            "--train.max_steps=30",
+            "--optim.min_lr",
+            "2e-5",
+            "--data.shuffle=false",
+            "--model.overrides.hidden_size=32",
+        ]
+    )
     assert cfg.train.max_steps == 30
     assert cfg.optim.lr == pytest.approx(1e-3)  # PyYAML reads 1e-3 as a string; coerced to float
     assert cfg.optim.min_lr == pytest.approx(2e-5)
@@ -87,11 +95,15 @@ def test_workers_bounded_by_streams_per_rank(tmp_path):
 
 
 def test_model_rules_seq_len_and_vocab(tmp_path, small_tokenizer):
-    cfg = load_config([write(
-        tmp_path,
-        "model:\n  type: llama\n  overrides: {max_position_embeddings: 128, vocab_size: 300}\n"
-        "data:\n  seq_len: 256\n",
-    )])
+    cfg = load_config(
+        [
+            write(
+                tmp_path,
+                "model:\n  type: llama\n  overrides: {max_position_embeddings: 128, vocab_size: 300}\n"
+                "data:\n  seq_len: 256\n",
+            )
+        ]
+    )
     problems = model_problems(cfg, build_model_config(cfg.model), small_tokenizer)
     text = "\n".join(problems)
     assert "data.seq_len=256 exceeds the model's 128 positions" in text
@@ -104,14 +116,19 @@ def test_tokenizer_without_eos_is_a_config_problem(tmp_path, small_tokenizer):
     tokenizer = copy.deepcopy(small_tokenizer)
     tokenizer.eos_token = None
     assert model_problems(cfg, build_model_config(cfg.model), tokenizer) == [
-        "tokenizer 'builtin:python-stdlib' has no EOS token; documents cannot be separated"]
+        "tokenizer 'builtin:python-stdlib' has no EOS token; documents cannot be separated"
+    ]
 
 
 def test_gpt2_positions_are_checked_through_the_attribute_map(tmp_path, small_tokenizer):
-    cfg = load_config([write(tmp_path, "model:\n  type: gpt2\n  overrides: {n_positions: 64}\ndata:\n  seq_len: 65\n")])
+    cfg = load_config(
+        [write(tmp_path, "model:\n  type: gpt2\n  overrides: {n_positions: 64}\ndata:\n  seq_len: 65\n")]
+    )
     problems = model_problems(cfg, build_model_config(cfg.model), small_tokenizer)
-    assert problems == ["data.seq_len=65 exceeds the model's 64 positions "
-                        "(raise model.overrides.max_position_embeddings / n_positions, or lower data.seq_len)"]
+    assert problems == [
+        "data.seq_len=65 exceeds the model's 64 positions "
+        "(raise model.overrides.max_position_embeddings / n_positions, or lower data.seq_len)"
+    ]
 
 
 def test_unknown_model_override_names_the_nearest_field(tmp_path):
@@ -122,17 +139,36 @@ def test_unknown_model_override_names_the_nearest_field(tmp_path):
 
 def test_overrides_reach_derived_fields(tmp_path):
     """Llama derives head_dim from hidden_size / num_attention_heads in its constructor."""
-    cfg = load_config([write(tmp_path, "model:\n  type: llama\n  overrides: {hidden_size: 192, num_attention_heads: 6}\n")])
+    cfg = load_config(
+        [write(tmp_path, "model:\n  type: llama\n  overrides: {hidden_size: 192, num_attention_heads: 6}\n")]
+    )
     model_config = build_model_config(cfg.model)
     assert model_config.head_dim == 32 and model_config.use_cache is False
 
 
 def test_overrides_on_a_pretrained_config_are_applied_or_refused(tmp_path):
-    base = build_model_config(load_config([write(tmp_path, "model:\n  overrides: {hidden_size: 64, num_attention_heads: 4}\n")]).model)
+    base = build_model_config(
+        load_config(
+            [write(tmp_path, "model:\n  overrides: {hidden_size: 64, num_attention_heads: 4}\n")]
+        ).model
+    )
     base.save_pretrained(tmp_path / "pretrained")
-    ok = load_config([write(tmp_path, f"model:\n  pretrained: {tmp_path / 'pretrained'}\n  overrides: {{num_hidden_layers: 3}}\n")])
+    ok = load_config(
+        [
+            write(
+                tmp_path,
+                f"model:\n  pretrained: {tmp_path / 'pretrained'}\n  overrides: {{num_hidden_layers: 3}}\n",
+            )
+        ]
+    )
     config = build_model_config(ok.model)
     assert (config.num_hidden_layers, config.hidden_size, config.use_cache) == (3, 64, False)
-    bad = load_config([write(tmp_path, f"model:\n  pretrained: {tmp_path / 'pretrained'}\n  overrides: {{hiden_size: 3}}\n")])
+    bad = load_config(
+        [
+            write(
+                tmp_path, f"model:\n  pretrained: {tmp_path / 'pretrained'}\n  overrides: {{hiden_size: 3}}\n"
+            )
+        ]
+    )
     with pytest.raises(ValueError, match="model.overrides.hiden_size \\(did you mean 'hidden_size'\\?\\)"):
         build_model_config(bad.model)

@@ -35,11 +35,15 @@ def test_split_is_by_file_without_overlap(stdlib_cache):
 
 
 def test_concurrent_builds_happen_once(tmp_path):
-    code = ("import json, sys; from lmpretrain import corpus; p = corpus.ensure_stdlib_corpus(max_files=150); "
-            "print(json.dumps({'path': str(p), 'builds': corpus.BUILDS}))")
+    code = (
+        "import json, sys; from lmpretrain import corpus; p = corpus.ensure_stdlib_corpus(max_files=150); "
+        "print(json.dumps({'path': str(p), 'builds': corpus.BUILDS}))"
+    )
     env = {**os.environ, "LMPRETRAIN_CACHE": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert results[0]["path"] == results[1]["path"]

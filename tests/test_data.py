@@ -22,8 +22,17 @@ TAG = re.compile(r"<([^>]+)>")
 
 
 def make(sources, tok, **kw) -> TrainStream:
-    args = dict(seq_len=16, num_streams=4, rows_per_step=4, rank=0, world_size=1, num_workers=0, seed=0,
-                shuffle=True, shuffle_window=4)
+    args = dict(
+        seq_len=16,
+        num_streams=4,
+        rows_per_step=4,
+        rank=0,
+        world_size=1,
+        num_workers=0,
+        seed=0,
+        shuffle=True,
+        shuffle_window=4,
+    )
     args.update(kw)
     return TrainStream(sources, tok, **args)
 
@@ -36,7 +45,7 @@ def steps(ts: TrainStream, n: int, it=None):
 def by_stream(rows: torch.Tensor, ts: TrainStream) -> dict[int, torch.Tensor]:
     out, i = {}, 0
     for s in ts.owned:
-        out[s] = rows[i:i + ts.counts[s]]
+        out[s] = rows[i : i + ts.counts[s]]
         i += ts.counts[s]
     return out
 
@@ -82,23 +91,34 @@ def test_packing_is_exact_including_a_document_longer_than_many_blocks(tmp_path,
     ts = make([SourceSpec(files=paths)], small_tokenizer, num_streams=1, rows_per_step=3, shuffle=False)
     n_steps = len(want) // (3 * 16) + 2  # past the end of the epoch: the next epoch continues the stream
     got = torch.cat([r.input_ids for r in steps(ts, n_steps)[0]]).flatten().tolist()
-    assert got[:len(want)] == want
-    assert got[len(want):] == want[:len(got) - len(want)]
+    assert got[: len(want)] == want
+    assert got[len(want) :] == want[: len(got) - len(want)]
     assert want.count(small_tokenizer.eos_token_id) == 9
 
 
 # ---- sharding: disjoint, complete, independent of world size and workers -------------------------------
 
 
-@pytest.mark.parametrize("shards", [[5, 9, 3, 7, 4, 6, 8, 2, 5, 7, 3], [20, 13, 17]], ids=["own-shards", "shared"])
+@pytest.mark.parametrize(
+    "shards", [[5, 9, 3, 7, 4, 6, 8, 2, 5, 7, 3], [20, 13, 17]], ids=["own-shards", "shared"]
+)
 def test_two_ranks_two_workers_cover_an_epoch_disjointly(tmp_path, small_tokenizer, shards, caplog):
     paths = write_jsonl_shards(tmp_path / "d", shards)
     all_tags = {f"shard{i}.{k}" for i, n in enumerate(shards) for k in range(n)}
     per_stream: dict[int, list[int]] = {}
     with caplog.at_level(logging.WARNING):
         for rank in range(2):
-            ts = make([SourceSpec(files=paths)], small_tokenizer, num_streams=8, rows_per_step=8, rank=rank,
-                      world_size=2, num_workers=2, shuffle=False, seq_len=32)
+            ts = make(
+                [SourceSpec(files=paths)],
+                small_tokenizer,
+                num_streams=8,
+                rows_per_step=8,
+                rank=rank,
+                world_size=2,
+                num_workers=2,
+                shuffle=False,
+                seq_len=32,
+            )
             for r in steps(ts, 120)[0]:
                 for s, rows in by_stream(r.input_ids, ts).items():
                     per_stream.setdefault(s, []).extend(rows.flatten().tolist())
@@ -108,7 +128,7 @@ def test_two_ranks_two_workers_cover_an_epoch_disjointly(tmp_path, small_tokeniz
     for s, tokens in per_stream.items():
         tags = doc_tags(tokens, small_tokenizer)
         assert tags[0] in tags[1:], f"stream {s} did not finish an epoch"
-        epoch0[s] = tags[:tags.index(tags[0], 1)]
+        epoch0[s] = tags[: tags.index(tags[0], 1)]
     seen = [t for tags in epoch0.values() for t in tags]
     assert len(seen) == len(set(seen)), "a document was read by two streams (or twice) in one epoch"
     assert set(seen) == all_tags
@@ -119,7 +139,10 @@ def test_same_global_rows_for_one_rank_two_workers_and_two_ranks(tmp_path, small
     one = make([SourceSpec(files=paths)], small_tokenizer, rows_per_step=6, num_workers=2)
     ref = [by_stream(r.input_ids, one) for r in steps(one, 12)[0]]
     one.close()
-    ranks = [make([SourceSpec(files=paths)], small_tokenizer, rows_per_step=6, rank=p, world_size=2) for p in range(2)]
+    ranks = [
+        make([SourceSpec(files=paths)], small_tokenizer, rows_per_step=6, rank=p, world_size=2)
+        for p in range(2)
+    ]
     got = [[by_stream(r.input_ids, ts) for r in steps(ts, 12)[0]] for ts in ranks]
     for t in range(12):
         merged = {**got[0][t], **got[1][t]}
@@ -153,9 +176,12 @@ def _check_resume(make_ts, n: int, m: int, *, json_roundtrip: bool = True):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_is_exact_with_shuffle_uneven_shards_and_epoch_boundary(tmp_path, small_tokenizer, workers):
-    paths = write_jsonl_shards(tmp_path / "d", [1, 7, 2, 5, 3, 2])  # uneven: streams own 1 or 2 shards of 1-7 docs
-    ref = _check_resume(lambda: make([SourceSpec(files=paths)], small_tokenizer, num_workers=workers,
-                                     rows_per_step=5), 23, 40)
+    paths = write_jsonl_shards(
+        tmp_path / "d", [1, 7, 2, 5, 3, 2]
+    )  # uneven: streams own 1 or 2 shards of 1-7 docs
+    ref = _check_resume(
+        lambda: make([SourceSpec(files=paths)], small_tokenizer, num_workers=workers, rows_per_step=5), 23, 40
+    )
     assert ref[0].epoch == 0 and ref[-1].epoch >= 1, "the resumed span must cross an epoch boundary"
 
 
@@ -163,8 +189,16 @@ def test_resume_is_exact_with_mixing_and_mid_window_positions(tmp_path, small_to
     a = write_jsonl_shards(tmp_path / "a", [8, 5, 7], prefix="A")
     b = write_jsonl_shards(tmp_path / "b", [4, 6], prefix="B", seed=1)
     for n in (1, 3, 5, 7):  # window of 5 blocks: resume within it and exactly at its end
-        _check_resume(lambda: make([SourceSpec(files=a, weight=2.0), SourceSpec(files=b)], small_tokenizer,
-                                   rows_per_step=4, shuffle_window=5), n, 12)
+        _check_resume(
+            lambda: make(
+                [SourceSpec(files=a, weight=2.0), SourceSpec(files=b)],
+                small_tokenizer,
+                rows_per_step=4,
+                shuffle_window=5,
+            ),
+            n,
+            12,
+        )
 
 
 def test_resume_onto_a_different_world_size(tmp_path, small_tokenizer):
@@ -213,8 +247,14 @@ def test_restore_reads_one_window_not_the_consumed_stream(tmp_path, small_tokeni
 
 def test_epochs_reshuffle_the_shard_order(tmp_path, small_tokenizer):
     paths = write_jsonl_shards(tmp_path / "d", [2] * 16)
-    ts = make([SourceSpec(files=paths)], small_tokenizer, num_streams=2, rows_per_step=2, shuffle_window=1,
-              seq_len=32)
+    ts = make(
+        [SourceSpec(files=paths)],
+        small_tokenizer,
+        num_streams=2,
+        rows_per_step=2,
+        shuffle_window=1,
+        seq_len=32,
+    )
     tokens = {0: [], 1: []}
     for r in steps(ts, 120)[0]:
         for s, rows in by_stream(r.input_ids, ts).items():
@@ -230,7 +270,9 @@ def test_window_shuffle_permutes_blocks_within_windows_and_is_seeded(tmp_path, s
     paths = write_jsonl_shards(tmp_path / "d", [60])  # one shard: no shard-order shuffle, only windows
 
     def rows(**kw):
-        ts = make([SourceSpec(files=paths)], small_tokenizer, num_streams=1, rows_per_step=8, shuffle_window=8, **kw)
+        ts = make(
+            [SourceSpec(files=paths)], small_tokenizer, num_streams=1, rows_per_step=8, shuffle_window=8, **kw
+        )
         return torch.cat([r.input_ids for r in steps(ts, 4)[0]])  # 4 complete windows
 
     plain, shuffled = rows(shuffle=False), rows(seed=3)
@@ -264,18 +306,27 @@ def test_text_files_are_one_document_per_file(tmp_path, small_tokenizer):
     texts = [f"<file{i}> def f{i}():\n    return {i}\n\n\n# end\n" for i in range(3)]
     for i, t in enumerate(texts):
         (folder / f"m{i}.py").write_text(t)
-    ts = make([SourceSpec(files=[str(folder)])], small_tokenizer, num_streams=1, rows_per_step=1, shuffle=False)
+    ts = make(
+        [SourceSpec(files=[str(folder)])], small_tokenizer, num_streams=1, rows_per_step=1, shuffle=False
+    )
     tokens = torch.cat([r.input_ids for r in steps(ts, 12)[0]]).flatten().tolist()
     want = [t for x in texts for t in small_tokenizer(x, add_special_tokens=False)["input_ids"] + [1]]
-    assert tokens[:len(want)] == want
+    assert tokens[: len(want)] == want
 
 
 def test_parquet_source_with_a_custom_text_field(tmp_path, small_tokenizer):
     for i in range(2):
-        pq.write_table(pa.table({"content": [f"<p{i}.{k}> alpha beta" for k in range(5)], "n": list(range(5))}),
-                       tmp_path / f"p{i}.parquet")
-    ts = make([SourceSpec(files=[str(tmp_path / "*.parquet")], text_field="content")], small_tokenizer,
-              num_streams=2, rows_per_step=2, shuffle=False)
+        pq.write_table(
+            pa.table({"content": [f"<p{i}.{k}> alpha beta" for k in range(5)], "n": list(range(5))}),
+            tmp_path / f"p{i}.parquet",
+        )
+    ts = make(
+        [SourceSpec(files=[str(tmp_path / "*.parquet")], text_field="content")],
+        small_tokenizer,
+        num_streams=2,
+        rows_per_step=2,
+        shuffle=False,
+    )
     tokens = stream_tokens(steps(ts, 8)[0], ts)
     assert doc_tags(tokens[0], small_tokenizer)[:2] == ["p0.0", "p0.1"]
     assert doc_tags(tokens[1], small_tokenizer)[:2] == ["p1.0", "p1.1"]
@@ -289,8 +340,12 @@ def test_pretokenized_shards_stream_like_the_text(tmp_path, small_tokenizer):
     assert len(out) == 3
     kw = dict(num_streams=2, rows_per_step=4)
     text = [r for r in steps(make([SourceSpec(files=paths)], small_tokenizer, **kw), 15)[0]]
-    toks = [r for r in steps(make([SourceSpec(files=[str(tmp_path / "tok")], format="tokens")], small_tokenizer,
-                                  **kw), 15)[0]]
+    toks = [
+        r
+        for r in steps(
+            make([SourceSpec(files=[str(tmp_path / "tok")], format="tokens")], small_tokenizer, **kw), 15
+        )[0]
+    ]
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(text, toks, strict=True))
     assert text[-1].skipped_docs == toks[-1].skipped_docs == 1
     other = PreTrainedTokenizerFast(tokenizer_object=small_tokenizer.backend_tokenizer, eos_token="<|bos|>")
@@ -361,11 +416,23 @@ def test_tokenizer_without_eos_is_refused(tmp_path, small_tokenizer):
 
 def test_bad_records_are_skipped_counted_and_logged_once(tmp_path, small_tokenizer, caplog):
     path = tmp_path / "mixed.jsonl"
-    lines = [{"text": "<g0> alpha"}, {"text": None}, {"text": ""}, {"text": "<g1> beta"}, {"text": 5},
-             {"text": "<g2> gamma"}]
+    lines = [
+        {"text": "<g0> alpha"},
+        {"text": None},
+        {"text": ""},
+        {"text": "<g1> beta"},
+        {"text": 5},
+        {"text": "<g2> gamma"},
+    ]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    ts = make([SourceSpec(files=[str(path)])], small_tokenizer, num_streams=1, rows_per_step=1, shuffle=False,
-              seq_len=4)
+    ts = make(
+        [SourceSpec(files=[str(path)])],
+        small_tokenizer,
+        num_streams=1,
+        rows_per_step=1,
+        shuffle=False,
+        seq_len=4,
+    )
     with caplog.at_level(logging.WARNING):
         rows = steps(ts, 12)[0]
     tokens = torch.cat([r.input_ids for r in rows]).flatten().tolist()
@@ -378,7 +445,14 @@ def test_invalid_stream_layout_is_reported_with_the_config_names(tmp_path, small
     with pytest.raises(DataError, match=r"data.num_streams \(6\).*processes \(4\)"):
         make([SourceSpec(files=paths)], small_tokenizer, num_streams=6, world_size=4, rows_per_step=8)
     with pytest.raises(DataError, match=r"data.num_workers \(3\)"):
-        make([SourceSpec(files=paths)], small_tokenizer, num_streams=4, world_size=2, num_workers=3, rows_per_step=2)
+        make(
+            [SourceSpec(files=paths)],
+            small_tokenizer,
+            num_streams=4,
+            world_size=2,
+            num_workers=3,
+            rows_per_step=2,
+        )
     with pytest.raises(DataError, match="no data sources"):
         make([], small_tokenizer)
 
@@ -392,5 +466,7 @@ def test_fingerprint_and_state_are_plain_data(tmp_path, small_tokenizer):
     steps(ts, 3)
     state = ts.state_dict()
     assert json.loads(json.dumps(state))["num_streams"] == 4
-    assert all(isinstance(v, int) for st in state["streams"].values() for k, v in st.items() if k != "sources")
+    assert all(
+        isinstance(v, int) for st in state["streams"].values() for k, v in st.items() if k != "sources"
+    )
     assert np.array(state["streams"][0]["sources"]).shape == (1, 4)

@@ -18,8 +18,15 @@ TWO = ["--num_processes", "2"]
 # The DDP run of the two_ranks_accum2 fixture, under ZeRO-2 (float64 weights, float32 master copies).
 EXACT = [*rr.EXACT, "--train.micro_batch_size=2", "--train.grad_accum_steps=2"]
 # Dropout on and 2 workers per rank, so RNG and data state must both come back on resume.
-RESUMABLE = [*rr.QUICK, "--train.max_steps=16", "--checkpoint.every=6", "--eval.every=6", "--data.num_workers=2",
-             "--model.overrides.attention_dropout=0.1", "--logging.wandb_mode=disabled"]
+RESUMABLE = [
+    *rr.QUICK,
+    "--train.max_steps=16",
+    "--checkpoint.every=6",
+    "--eval.every=6",
+    "--data.num_workers=2",
+    "--model.overrides.attention_dropout=0.1",
+    "--logging.wandb_mode=disabled",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +53,20 @@ def test_zero2_trains_like_ddp(zero2, two_ranks_accum2):
 
 
 def test_zero2_holds_half_the_optimizer_state_per_rank(zero2, two_ranks_accum2):
-    full = torch.load(two_ranks_accum2.out / "checkpoints" / "step-00000010" / "optimizer.pt", weights_only=True)
+    full = torch.load(
+        two_ranks_accum2.out / "checkpoints" / "step-00000010" / "optimizer.pt", weights_only=True
+    )
     total = sum(s["exp_avg"].numel() for s in full["state"].values())
     per_rank = []
     for rank in (0, 1):
         # DeepSpeed's own file format (pickled objects): read back as DeepSpeed itself does.
-        path = zero2.out / "checkpoints" / "step-00000010" / "deepspeed" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        path = (
+            zero2.out
+            / "checkpoints"
+            / "step-00000010"
+            / "deepspeed"
+            / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        )
         state = torch.load(path, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["state"]
         per_rank.append(sum(s["exp_avg"].numel() for s in state.values()))
         assert all(s["exp_avg_sq"].numel() == s["exp_avg"].numel() for s in state.values())
@@ -71,17 +86,32 @@ def test_zero2_kill_9_then_resume_is_bit_identical(tmp_path):
     assert killed_at < 16, "the run finished before it could be killed"
     resumed = rr.run(out, *RESUMABLE, launch=DS, launch_args=TWO)
     resumed_from = 6 * (killed_at // 6)
-    assert f"resumed from {out / 'checkpoints' / f'step-{resumed_from:08d}'} at step {resumed_from}" in resumed.output
-    assert rr.file_sha256(straight.out / "final" / "model.safetensors") == \
-        rr.file_sha256(resumed.out / "final" / "model.safetensors")
+    assert (
+        f"resumed from {out / 'checkpoints' / f'step-{resumed_from:08d}'} at step {resumed_from}"
+        in resumed.output
+    )
+    assert rr.file_sha256(straight.out / "final" / "model.safetensors") == rr.file_sha256(
+        resumed.out / "final" / "model.safetensors"
+    )
     for x, y in zip(straight.metrics(), resumed.metrics(), strict=True):
-        assert (x["step"], x.get("train/loss"), x.get("train/grad_norm"), x.get("eval/loss")) == \
-            (y["step"], y.get("train/loss"), y.get("train/grad_norm"), y.get("eval/loss"))
+        assert (x["step"], x.get("train/loss"), x.get("train/grad_norm"), x.get("eval/loss")) == (
+            y["step"],
+            y.get("train/loss"),
+            y.get("train/grad_norm"),
+            y.get("eval/loss"),
+        )
 
 
 def refused(tmp_path, *overrides, launch_args=TWO, out=None) -> str:
-    run = rr.run(out or tmp_path / "run", *rr.QUICK, "--logging.wandb_mode=disabled", *overrides, launch=DS,
-                 launch_args=launch_args, check=False)
+    run = rr.run(
+        out or tmp_path / "run",
+        *rr.QUICK,
+        "--logging.wandb_mode=disabled",
+        *overrides,
+        launch=DS,
+        launch_args=launch_args,
+        check=False,
+    )
     assert run.returncode != 0, run.output[-3000:]
     assert "pretrain:" not in run.output
     return run.output

@@ -28,10 +28,20 @@ def test_two_ranks_equal_one_rank_with_twice_the_micro_batch(tmp_path, two_ranks
     if accum == 2:
         two = two_ranks_accum2
     else:
-        two = rr.run(tmp_path / "two", *EXACT, "--train.micro_batch_size=4", "--train.grad_accum_steps=1",
-                     launch="cpu-ddp")
-    one = rr.run(tmp_path / "one", *EXACT, f"--train.micro_batch_size={8 // accum}",
-                 f"--train.grad_accum_steps={accum}", launch="cpu")
+        two = rr.run(
+            tmp_path / "two",
+            *EXACT,
+            "--train.micro_batch_size=4",
+            "--train.grad_accum_steps=1",
+            launch="cpu-ddp",
+        )
+    one = rr.run(
+        tmp_path / "one",
+        *EXACT,
+        f"--train.micro_batch_size={8 // accum}",
+        f"--train.grad_accum_steps={accum}",
+        launch="cpu",
+    )
     assert "world_size=2 distributed_type=MULTI_CPU backend=gloo" in two.output
     assert "world_size=1 distributed_type=NO" in one.output
     assert_equivalent(two, one)
@@ -42,12 +52,36 @@ def test_two_machines_on_localhost_equal_one_machine(tmp_path, two_ranks_accum2)
     out = tmp_path / "multinode"
     procs = []
     for machine in (0, 1):
-        cmd = rr.command(out, *EXACT, "--train.micro_batch_size=2", "--train.grad_accum_steps=2",
-                         "--run.threads=1", launch="cpu-ddp",
-                         launch_args=["--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine),
-                                      "--main_process_ip", "127.0.0.1", "--main_process_port", port])
-        procs.append(subprocess.Popen(cmd, cwd=rr.ROOT, env=rr.env_for_runs(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        cmd = rr.command(
+            out,
+            *EXACT,
+            "--train.micro_batch_size=2",
+            "--train.grad_accum_steps=2",
+            "--run.threads=1",
+            launch="cpu-ddp",
+            launch_args=[
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "2",
+                "--machine_rank",
+                str(machine),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+            ],
+        )
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=rr.ROOT,
+                env=rr.env_for_runs(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "world_size=2 distributed_type=MULTI_CPU backend=gloo" in outputs[0]
@@ -56,11 +90,27 @@ def test_two_machines_on_localhost_equal_one_machine(tmp_path, two_ranks_accum2)
 
 
 def refused(tmp_path, launch_args, config=None) -> str:
-    cmd = [str(rr.ACCELERATE), "launch", *(["--config_file", str(config)] if config else []), *launch_args,
-           "--main_process_port", str(rr.free_port()), str(rr.RECIPE), str(rr.SMOKE),
-           f"--run.output_dir={tmp_path / 'run'}", "--logging.wandb_mode=disabled"]
-    proc = subprocess.run(cmd, cwd=rr.ROOT, env=rr.env_for_runs(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
+    cmd = [
+        str(rr.ACCELERATE),
+        "launch",
+        *(["--config_file", str(config)] if config else []),
+        *launch_args,
+        "--main_process_port",
+        str(rr.free_port()),
+        str(rr.RECIPE),
+        str(rr.SMOKE),
+        f"--run.output_dir={tmp_path / 'run'}",
+        "--logging.wandb_mode=disabled",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=rr.ROOT,
+        env=rr.env_for_runs(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert "pretrain:" not in proc.stdout and not (tmp_path / "run" / "metrics.jsonl").exists()
     return proc.stdout
@@ -74,9 +124,19 @@ def test_cpu_flag_with_two_processes_is_refused(tmp_path):
 
 def test_multi_cpu_config_is_refused(tmp_path):
     config = tmp_path / "multi-cpu.yaml"
-    config.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_CPU",
-                                      "num_processes": 2, "num_machines": 1, "machine_rank": 0, "use_cpu": True,
-                                      "mixed_precision": "no"}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "compute_environment": "LOCAL_MACHINE",
+                "distributed_type": "MULTI_CPU",
+                "num_processes": 2,
+                "num_machines": 1,
+                "machine_rank": 0,
+                "use_cpu": True,
+                "mixed_precision": "no",
+            }
+        )
+    )
     assert "asked for 2 processes but 1 started" in refused(tmp_path, [], config)
 
 
@@ -87,11 +147,31 @@ def test_fsdp_on_cpu_is_refused_not_run_as_ddp(tmp_path):
 
 def test_plain_multi_gpu_flag_on_cpu_becomes_one_gloo_group(tmp_path):
     """The launch that starts two unsynchronised copies with a stock Accelerator() is a real group here."""
-    cmd = [str(rr.ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port",
-           str(rr.free_port()), str(rr.RECIPE), str(rr.SMOKE), f"--run.output_dir={tmp_path / 'run'}",
-           *rr.QUICK, "--train.max_steps=6", "--eval.every=0", "--logging.wandb_mode=disabled"]
-    proc = subprocess.run(cmd, cwd=rr.ROOT, env=rr.env_for_runs(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
+    cmd = [
+        str(rr.ACCELERATE),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(rr.free_port()),
+        str(rr.RECIPE),
+        str(rr.SMOKE),
+        f"--run.output_dir={tmp_path / 'run'}",
+        *rr.QUICK,
+        "--train.max_steps=6",
+        "--eval.every=0",
+        "--logging.wandb_mode=disabled",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=rr.ROOT,
+        env=rr.env_for_runs(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "world_size=2 distributed_type=MULTI_CPU backend=gloo" in proc.stdout
     assert proc.stdout.count("parameter sha256 per rank") == 1

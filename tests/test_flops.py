@@ -19,8 +19,16 @@ from lmpretrain.flops import (
 
 GPT2_124M = GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
 # Llama 3.2 1B shape: GQA with 32 query heads and 8 key/value heads of 64 dims, tied embeddings.
-LLAMA_1B = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                       head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
+LLAMA_1B = LlamaConfig(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=8192,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+)
 
 
 def test_gpt2_124m_hand_count():
@@ -82,16 +90,30 @@ def test_causal_counting_and_dict_configs_and_unsupported_types():
 
 def test_gpu_table_lookup():
     names = {
-        "NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H100 NVL": "h100-nvl",
-        "NVIDIA H200": "h200-sxm", "NVIDIA H200 NVL": "h200-nvl", "NVIDIA A100-SXM4-80GB": "a100",
-        "NVIDIA A100 80GB PCIe": "a100", "NVIDIA A10G": "a10g", "NVIDIA A10": "a10", "NVIDIA L4": "l4",
-        "NVIDIA L40S": "l40s", "NVIDIA L40": "l40", "NVIDIA GeForce RTX 4090": "rtx-4090",
-        "Tesla V100-SXM2-16GB": "v100-sxm", "Tesla V100-PCIE-32GB": "v100-pcie", "Tesla T4": "t4",
-        "NVIDIA B200": None, "NVIDIA GeForce RTX 3060": None,
+        "NVIDIA H100 80GB HBM3": "h100-sxm",
+        "NVIDIA H100 PCIe": "h100-pcie",
+        "NVIDIA H100 NVL": "h100-nvl",
+        "NVIDIA H200": "h200-sxm",
+        "NVIDIA H200 NVL": "h200-nvl",
+        "NVIDIA A100-SXM4-80GB": "a100",
+        "NVIDIA A100 80GB PCIe": "a100",
+        "NVIDIA A10G": "a10g",
+        "NVIDIA A10": "a10",
+        "NVIDIA L4": "l4",
+        "NVIDIA L40S": "l40s",
+        "NVIDIA L40": "l40",
+        "NVIDIA GeForce RTX 4090": "rtx-4090",
+        "Tesla V100-SXM2-16GB": "v100-sxm",
+        "Tesla V100-PCIE-32GB": "v100-pcie",
+        "Tesla T4": "t4",
+        "NVIDIA B200": None,
+        "NVIDIA GeForce RTX 3060": None,
     }
     for name, key in names.items():
         assert gpu_table_key(name) == key, name
-    assert table_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12  # dense, not the 1979 sparse figure
+    assert (
+        table_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12
+    )  # dense, not the 1979 sparse figure
     assert table_peak("NVIDIA H100 80GB HBM3", "no") == 67e12
     assert table_peak("NVIDIA H100 80GB HBM3", "no", allow_tf32=True) == 494.7e12
     assert table_peak("NVIDIA A100-SXM4-40GB", "bf16") == 312e12

@@ -14,9 +14,16 @@ VOCAB = 96
 
 def tiny_llama(seed=0):
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                               max_position_embeddings=64)
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -43,8 +50,12 @@ def test_token_sum_matches_torch_mean_and_label_smoothing():
     ids, labels = batch_with_uneven_ignores(seq=7)
     logits = torch.randn(len(ids), 7, VOCAB)
     for smoothing in (0.0, 0.1):
-        ref = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1),
-                              ignore_index=IGNORE_INDEX, label_smoothing=smoothing)
+        ref = F.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB),
+            labels[:, 1:].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            label_smoothing=smoothing,
+        )
         ours = causal_lm_loss_sum(logits, labels, smoothing) / count_targets(labels)
         assert ours.item() == pytest.approx(ref.item(), rel=1e-6)
 
@@ -57,7 +68,9 @@ def test_accumulated_micro_batches_equal_one_big_batch_with_uneven_ignores():
 
     acc = tiny_llama()
     total = count_targets(labels)
-    for x, y in zip(ids.split(2), labels.split(2), strict=True):  # 4 micro-batches with different target counts
+    for x, y in zip(
+        ids.split(2), labels.split(2), strict=True
+    ):  # 4 micro-batches with different target counts
         (causal_lm_loss_sum(acc(input_ids=x).logits, y) / total).backward()
     assert rel_err(grads(acc), grads(big)) < 1e-6
 

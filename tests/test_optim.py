@@ -43,8 +43,10 @@ def test_lambda_schedule_matches_torch_sequential_linear_cosine():
     opt_b = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=PEAK)
     ref = SequentialLR(
         opt_b,
-        [LinearLR(opt_b, start_factor=1 / WARMUP, total_iters=WARMUP - 1),
-         CosineAnnealingLR(opt_b, T_max=TOTAL - WARMUP, eta_min=FLOOR)],
+        [
+            LinearLR(opt_b, start_factor=1 / WARMUP, total_iters=WARMUP - 1),
+            CosineAnnealingLR(opt_b, T_max=TOTAL - WARMUP, eta_min=FLOOR),
+        ],
         milestones=[WARMUP],
     )
     a, b = lrs_of(ours, opt_a, TOTAL), lrs_of(ref, opt_b, TOTAL)
@@ -58,8 +60,16 @@ def tiny(model_type, **kw):
 
 @pytest.mark.parametrize("decay_embeddings", [False, True])
 def test_groups_on_llama_never_decay_rmsnorm(decay_embeddings):
-    model = tiny("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)
+    model = tiny(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=False,
+    )
     decay, no_decay = param_groups(model, 0.1, decay_embeddings)
     names = {id(p): n for n, p in model.named_parameters()}
     no_decay_names = {names[id(p)] for p in no_decay["params"]}
@@ -79,8 +89,9 @@ def test_groups_on_gpt2_biases_layernorm_embeddings():
     no_decay_names = {names[id(p)] for p in no_decay["params"]}
     assert {n for n in names.values() if n.endswith(".bias")} <= no_decay_names
     assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight"} <= no_decay_names
-    assert {names[id(p)] for p in decay["params"]} == {n for n in names.values() if n.endswith(
-        ("c_attn.weight", "c_proj.weight", "c_fc.weight"))}
+    assert {names[id(p)] for p in decay["params"]} == {
+        n for n in names.values() if n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+    }
     opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert all(s == {} for s in opt.state.values())

@@ -68,8 +68,13 @@ def start_loop(tmp_path: Path, mode: str) -> subprocess.Popen:
     script = tmp_path / "loop.py"
     script.write_text(LOOP_CHILD)
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    child = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), mode], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "run"), mode],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = child.stdout.readline()
     if line.strip() != "READY":
         child.kill()

@@ -17,8 +17,19 @@ from lmpretrain.optim import lr_factor
 from lmpretrain.tokenizer import load_tokenizer
 from lmpretrain.wandb_offline import find_offline_runs, read_offline_run
 
-TRAIN_KEYS = {"train/loss", "train/lr", "train/grad_norm", "train/clipped", "train/tokens_seen", "train/epoch",
-              "perf/tokens_per_s", "perf/step_time_s", "perf/data_wait_frac", "perf/mfu", "perf/peak_mem_bytes"}
+TRAIN_KEYS = {
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "train/clipped",
+    "train/tokens_seen",
+    "train/epoch",
+    "perf/tokens_per_s",
+    "perf/step_time_s",
+    "perf/data_wait_frac",
+    "perf/mfu",
+    "perf/peak_mem_bytes",
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +69,10 @@ def test_every_step_logs_the_documented_keys(smoke):
 
 def test_runtime_facts_are_printed(smoke):
     threads = len(os.sched_getaffinity(0))
-    assert (f"world_size=1 distributed_type=NO backend=None device=cpu threads/process={threads} sharding=none"
-            in smoke.output)
+    assert (
+        f"world_size=1 distributed_type=NO backend=None device=cpu threads/process={threads} sharding=none"
+        in smoke.output
+    )
     assert "optimizer groups: decay:" in smoke.output
 
 
@@ -72,8 +85,9 @@ def test_export_loads_with_auto_classes_and_pipeline(smoke):
     ckpt = rr.load_file(smoke.out / "checkpoints" / "step-00000020" / "model.safetensors")
     for name, tensor in ckpt.items():  # the export is the last checkpoint's weights
         assert torch.equal(model.state_dict()[name], tensor), name
-    text = pipeline("text-generation", model=model, tokenizer=tokenizer)("def ", max_new_tokens=8,
-                                                                           do_sample=False)[0]["generated_text"]
+    text = pipeline("text-generation", model=model, tokenizer=tokenizer)(
+        "def ", max_new_tokens=8, do_sample=False
+    )[0]["generated_text"]
     assert text.startswith("def ") and len(text) > 4
     assert "[lmpretrain] sample:" in smoke.output and f"model saved to {final}" in smoke.output
 
@@ -100,8 +114,15 @@ def test_accumulation_equals_one_big_batch_with_uneven_ignored_tokens(tmp_path):
     float64 parameters: fp32 summation-order noise in near-zero gradients is amplified by Adam's
     normalisation (about 5e-5 relative after 6 steps here), which would hide a real normalisation bug.
     """
-    common = [*rr.QUICK, "--train.max_steps=6", "--eval.every=0", "--checkpoint.every=0",
-              "--train.mask_cross_doc_targets=true", "--logging.wandb_mode=disabled", "--train.param_dtype=float64"]
+    common = [
+        *rr.QUICK,
+        "--train.max_steps=6",
+        "--eval.every=0",
+        "--checkpoint.every=0",
+        "--train.mask_cross_doc_targets=true",
+        "--logging.wandb_mode=disabled",
+        "--train.param_dtype=float64",
+    ]
     accum = rr.run(tmp_path / "k2", *common, "--train.micro_batch_size=4", "--train.grad_accum_steps=2")
     big = rr.run(tmp_path / "k1", *common, "--train.micro_batch_size=8", "--train.grad_accum_steps=1")
     for a, b in zip(accum.metrics(), big.metrics(), strict=True):
@@ -113,9 +134,17 @@ def test_accumulation_equals_one_big_batch_with_uneven_ignored_tokens(tmp_path):
 def test_first_steps_match_a_plain_pytorch_loop(tmp_path):
     """Same init, same batches: the recipe == torch AdamW + clip_grad_norm_ + SequentialLR + mean CE."""
     steps, seed = 4, 1337
-    overrides = [*rr.QUICK, f"--train.max_steps={steps}", "--eval.every=0", "--checkpoint.every=0",
-                 "--train.grad_accum_steps=1", "--train.micro_batch_size=8", "--optim.decay_embeddings=true",
-                 "--logging.wandb_mode=disabled", "--optim.warmup_steps=2"]
+    overrides = [
+        *rr.QUICK,
+        f"--train.max_steps={steps}",
+        "--eval.every=0",
+        "--checkpoint.every=0",
+        "--train.grad_accum_steps=1",
+        "--train.micro_batch_size=8",
+        "--optim.decay_embeddings=true",
+        "--logging.wandb_mode=disabled",
+        "--optim.warmup_steps=2",
+    ]
     recipe = rr.run(tmp_path / "recipe", *overrides)
 
     cfg = load_config([str(rr.SMOKE), *[o for o in overrides if not o.startswith("--logging")]])
@@ -124,15 +153,35 @@ def test_first_steps_match_a_plain_pytorch_loop(tmp_path):
     model = AutoModelForCausalLM.from_config(build_model_config(cfg.model))
     matrices = [p for p in model.parameters() if p.dim() >= 2]  # nanoGPT's rule
     others = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
-                            lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8)
-    sched = torch.optim.lr_scheduler.SequentialLR(opt, [
-        torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / 2, total_iters=1),
-        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps - 2, eta_min=cfg.optim.min_lr)],
-        milestones=[2])
-    data = iter(TrainStream(cfg.data.train, tokenizer, seq_len=64, num_streams=4, rows_per_step=8, rank=0,
-                            world_size=1, num_workers=0, seed=seed, shuffle=True,
-                            shuffle_window=cfg.data.shuffle_window))
+    opt = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
+        lr=cfg.optim.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / 2, total_iters=1),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps - 2, eta_min=cfg.optim.min_lr),
+        ],
+        milestones=[2],
+    )
+    data = iter(
+        TrainStream(
+            cfg.data.train,
+            tokenizer,
+            seq_len=64,
+            num_streams=4,
+            rows_per_step=8,
+            rank=0,
+            world_size=1,
+            num_workers=0,
+            seed=seed,
+            shuffle=True,
+            shuffle_window=cfg.data.shuffle_window,
+        )
+    )
     ref_losses = []
     for _ in range(steps):
         ids = next(data).input_ids
@@ -153,8 +202,16 @@ def test_first_steps_match_a_plain_pytorch_loop(tmp_path):
 def test_fp16_really_runs_and_overflow_skips_keep_the_schedule(tmp_path):
     """A loss scale of 2^30 overflows fp16 gradients: those steps are skipped, the scale halves each
     time, and the learning rate stays where it was until a step really happens."""
-    run = rr.run(tmp_path / "fp16", *rr.QUICK, "--train.precision=fp16", "--train.loss_scale_init=1073741824",
-                 "--train.max_steps=16", "--eval.every=0", "--checkpoint.every=0", "--logging.wandb_mode=disabled")
+    run = rr.run(
+        tmp_path / "fp16",
+        *rr.QUICK,
+        "--train.precision=fp16",
+        "--train.loss_scale_init=1073741824",
+        "--train.max_steps=16",
+        "--eval.every=0",
+        "--checkpoint.every=0",
+        "--logging.wandb_mode=disabled",
+    )
     rows = run.metrics()
     skipped = [0] + [r["train/skipped_steps"] for r in rows]
     scale = 2.0**30
@@ -164,8 +221,9 @@ def test_fp16_really_runs_and_overflow_skips_keep_the_schedule(tmp_path):
         assert r["train/loss_scale"] == scale
         assert (r["train/grad_norm"] == r["train/grad_norm"] and r["train/grad_norm"] < 1e30) != was_skipped
         real_steps_before = (i - 1) - skipped[i - 1]  # the schedule advances only on real steps
-        assert r["train/lr"] == pytest.approx(3e-3 * lr_factor(real_steps_before, warmup_steps=4, max_steps=16,
-                                                                min_ratio=0.1))
+        assert r["train/lr"] == pytest.approx(
+            3e-3 * lr_factor(real_steps_before, warmup_steps=4, max_steps=16, min_ratio=0.1)
+        )
     assert skipped[3] == 3 and skipped[-1] < 16  # the first steps overflowed; later ones went through
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
 
@@ -179,8 +237,14 @@ def test_config_errors_exit_2_with_one_message(tmp_path):
 
 
 def test_cross_field_errors_are_reported_together_before_work(tmp_path):
-    run = rr.run(tmp_path / "bad", "--data.seq_len=512", "--model.overrides.vocab_size=100",
-                 "--optim.warmup_steps=50", launch=None, check=False)
+    run = rr.run(
+        tmp_path / "bad",
+        "--data.seq_len=512",
+        "--model.overrides.vocab_size=100",
+        "--optim.warmup_steps=50",
+        launch=None,
+        check=False,
+    )
     assert run.returncode == 2, run.output
     assert "3 problem(s)" in run.output
     assert "data.seq_len=512 exceeds the model's 128 positions" in run.output
@@ -198,9 +262,20 @@ def test_unwritable_output_dir_fails_before_training(tmp_path):
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path):
-    run = rr.run(tmp_path / "nan", *rr.QUICK, "--optim.lr=1e4", "--optim.min_lr=1e4", "--train.max_steps=40",
-                 "--checkpoint.every=2", "--eval.every=0", "--optim.warmup_steps=0", "--train.max_grad_norm=0",
-                 "--logging.wandb_mode=disabled", launch=None, check=False)
+    run = rr.run(
+        tmp_path / "nan",
+        *rr.QUICK,
+        "--optim.lr=1e4",
+        "--optim.min_lr=1e4",
+        "--train.max_steps=40",
+        "--checkpoint.every=2",
+        "--eval.every=0",
+        "--optim.warmup_steps=0",
+        "--train.max_grad_norm=0",
+        "--logging.wandb_mode=disabled",
+        launch=None,
+        check=False,
+    )
     assert run.returncode != 0
     assert "FloatingPointError: loss is nan" in run.output or "FloatingPointError: loss is inf" in run.output
     assert "nothing was saved from this step" in run.output
@@ -212,8 +287,15 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path):
 
 def test_continued_pretraining_from_an_exported_model(smoke, tmp_path):
     """model.pretrained loads the weights (the model type and shape come from the saved config)."""
-    cont = rr.run(tmp_path / "cont", *rr.QUICK, f"--model.pretrained={smoke.out / 'final'}", "--train.max_steps=6",
-                  "--optim.warmup_steps=1", "--eval.every=0", "--logging.wandb_mode=disabled")
+    cont = rr.run(
+        tmp_path / "cont",
+        *rr.QUICK,
+        f"--model.pretrained={smoke.out / 'final'}",
+        "--train.max_steps=6",
+        "--optim.warmup_steps=1",
+        "--eval.every=0",
+        "--logging.wandb_mode=disabled",
+    )
     first = cont.metrics()[0]["train/loss"]
     fresh = train_rows(smoke)[0]["train/loss"]
     assert first < train_rows(smoke)[-1]["train/loss"] + 0.5 < fresh  # starts where the smoke run ended

@@ -12,8 +12,14 @@ from lmpretrain.checkpoint import Checkpointer
 from lmpretrain.wandb_offline import find_offline_runs, read_offline_run
 
 # 2 ranks x micro-batch 4 x accumulation 2, 2 workers per rank, dropout on (so RNG state matters).
-DDP_RUN = [*rr.QUICK, "--train.max_steps=24", "--checkpoint.every=8", "--eval.every=8", "--data.num_workers=2",
-           "--model.overrides.attention_dropout=0.1"]
+DDP_RUN = [
+    *rr.QUICK,
+    "--train.max_steps=24",
+    "--checkpoint.every=8",
+    "--eval.every=8",
+    "--data.num_workers=2",
+    "--model.overrides.attention_dropout=0.1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +39,17 @@ def interrupted_then_resumed(out, sig) -> tuple[int, rr.Run]:
 
 
 def assert_same_trajectory(straight, resumed):
-    assert rr.file_sha256(straight.out / "final" / "model.safetensors") == \
-        rr.file_sha256(resumed.out / "final" / "model.safetensors")
+    assert rr.file_sha256(straight.out / "final" / "model.safetensors") == rr.file_sha256(
+        resumed.out / "final" / "model.safetensors"
+    )
     a, b = straight.metrics(), resumed.metrics()
     assert [r["step"] for r in b] == list(range(0, 25))  # baseline eval + every step, none twice
     for x, y in zip(a, b, strict=True):
-        assert (x.get("train/loss"), x.get("train/grad_norm"), x.get("eval/loss")) == \
-            (y.get("train/loss"), y.get("train/grad_norm"), y.get("eval/loss")), x["step"]
+        assert (x.get("train/loss"), x.get("train/grad_norm"), x.get("eval/loss")) == (
+            y.get("train/loss"),
+            y.get("train/grad_norm"),
+            y.get("eval/loss"),
+        ), x["step"]
 
 
 def test_straight_run_has_identical_replicas(straight):
@@ -53,7 +63,10 @@ def test_kill_9_mid_run_then_resume_is_bit_identical(straight, tmp_path):
     out = tmp_path / "killed"
     killed_at, resumed = interrupted_then_resumed(out, signal.SIGKILL)
     resumed_from = 8 * (killed_at // 8)
-    assert f"resumed from {out / 'checkpoints' / f'step-{resumed_from:08d}'} at step {resumed_from}" in resumed.output
+    assert (
+        f"resumed from {out / 'checkpoints' / f'step-{resumed_from:08d}'} at step {resumed_from}"
+        in resumed.output
+    )
     assert_same_trajectory(straight, resumed)
     assert_resumed_same_wandb_run(out, killed_at)
 
@@ -64,7 +77,10 @@ def test_sigterm_saves_exits_and_resumes_bit_identical(straight, tmp_path):
     log = (out.parent / "terminated.log").read_text()
     assert "received SIGTERM: will save after this step and exit" in log
     assert f"stopped by signal after step {stopped_at}" in log
-    assert f"resumed from {out / 'checkpoints' / f'step-{stopped_at:08d}'} at step {stopped_at}" in resumed.output
+    assert (
+        f"resumed from {out / 'checkpoints' / f'step-{stopped_at:08d}'} at step {stopped_at}"
+        in resumed.output
+    )
     assert_same_trajectory(straight, resumed)
     assert_resumed_same_wandb_run(out, stopped_at)
 
@@ -85,8 +101,16 @@ def assert_resumed_same_wandb_run(out, stopped_at):
 
 def test_sigterm_single_process_exits_0(tmp_path):
     out = tmp_path / "single"
-    proc = rr.start(out, *rr.QUICK, "--train.max_steps=400", "--checkpoint.every=0", "--eval.every=0",
-                    "--logging.wandb_mode=disabled", launch=None, log=subprocess.PIPE)
+    proc = rr.start(
+        out,
+        *rr.QUICK,
+        "--train.max_steps=400",
+        "--checkpoint.every=0",
+        "--eval.every=0",
+        "--logging.wandb_mode=disabled",
+        launch=None,
+        log=subprocess.PIPE,
+    )
     rr.wait_for_step(proc, out, 3)
     proc.send_signal(signal.SIGTERM)
     output = proc.communicate(timeout=120)[0].decode()
@@ -108,21 +132,34 @@ def resume_copy(run: rr.Run, dst, from_step: int):
 
 
 def test_fp16_loss_scale_survives_resume(tmp_path):
-    args = [*rr.QUICK, "--train.precision=fp16", "--train.loss_scale_init=1073741824", "--train.max_steps=12",
-            "--checkpoint.every=6", "--eval.every=0", "--logging.wandb_mode=disabled"]
+    args = [
+        *rr.QUICK,
+        "--train.precision=fp16",
+        "--train.loss_scale_init=1073741824",
+        "--train.max_steps=12",
+        "--checkpoint.every=6",
+        "--eval.every=0",
+        "--logging.wandb_mode=disabled",
+    ]
     straight = rr.run(tmp_path / "a", *args, launch=None)
     scales = [r["train/loss_scale"] for r in straight.metrics()]
     assert scales[5] < 2.0**30 / 4  # the scale moved before the checkpoint
     resumed = rr.run(resume_copy(straight, tmp_path / "b", 6), *args, launch=None)
     assert "at step 6" in resumed.output
     assert [r["train/loss_scale"] for r in resumed.metrics()] == scales
-    assert [r["train/skipped_steps"] for r in resumed.metrics()] == [r["train/skipped_steps"] for r in straight.metrics()]
-    assert rr.file_sha256(straight.out / "final/model.safetensors") == rr.file_sha256(resumed.out / "final/model.safetensors")
+    assert [r["train/skipped_steps"] for r in resumed.metrics()] == [
+        r["train/skipped_steps"] for r in straight.metrics()
+    ]
+    assert rr.file_sha256(straight.out / "final/model.safetensors") == rr.file_sha256(
+        resumed.out / "final/model.safetensors"
+    )
 
 
 def test_mismatched_resume_is_refused_with_the_differences(straight, tmp_path):
     out = resume_copy(straight, tmp_path / "copy", 16)
-    refused = rr.run(out, *DDP_RUN, "--data.seq_len=32", "--train.micro_batch_size=8", launch=None, check=False)
+    refused = rr.run(
+        out, *DDP_RUN, "--data.seq_len=32", "--train.micro_batch_size=8", launch=None, check=False
+    )
     assert refused.returncode == 2, refused.output
     assert "seq_len: 64 -> 32" in refused.output and "world_size: 2 -> 1" in refused.output
     assert "--run.allow_mismatch=true" in refused.output

@@ -26,9 +26,26 @@ def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sharding") / "report.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(ACCELERATE_USE_CPU="true", PYTHONUNBUFFERED="1")
-    cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-           str(SCRIPT), "--steps", "10", "--json", str(out)]
+    cmd = [
+        str(ACCELERATE),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        str(SCRIPT),
+        "--steps",
+        "10",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "process group: world_size=2 backend=gloo" in proc.stdout, proc.stdout
@@ -72,8 +89,14 @@ def test_each_rank_holds_about_half_the_optimizer_state(report, mode):
 def test_a_single_process_is_refused_not_reported_as_sharded(tmp_path):
     # What `accelerate launch --cpu --num_processes 2` silently gives: one process, nothing to shard.
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--json", str(tmp_path / "r.json")], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--json", str(tmp_path / "r.json")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "refusing to run" in proc.stderr and "--num_processes 2" in proc.stderr
     assert not (tmp_path / "r.json").exists()

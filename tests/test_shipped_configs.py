@@ -14,7 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAINING = sorted((ROOT / "configs").glob("*.yaml"))
 LAUNCH = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 EXPECTED_PARAMS = {  # order of magnitude each recipe promises in its name/comment
-    "smoke": (1e5, 1e6), "default": (1e6, 1e7), "gpt2-124m": (1.2e8, 1.3e8), "llama-1b": (1.0e9, 1.4e9),
+    "smoke": (1e5, 1e6),
+    "default": (1e6, 1e7),
+    "gpt2-124m": (1.2e8, 1.3e8),
+    "llama-1b": (1.0e9, 1.4e9),
 }
 
 
@@ -35,7 +38,10 @@ def test_config_loads_validates_and_builds_on_meta(path):
     n = parameter_counts(model)["params_total"]
     low, high = EXPECTED_PARAMS.get(path.stem, (1, float("inf")))
     assert low <= n <= high, f"{path.stem}: {n:,} parameters"
-    assert train_flops_per_token(model_config, cfg.data.seq_len) > 6 * parameter_counts(model)["params_non_embedding"]
+    assert (
+        train_flops_per_token(model_config, cfg.data.seq_len)
+        > 6 * parameter_counts(model)["params_non_embedding"]
+    )
 
 
 @pytest.mark.parametrize("path", LAUNCH, ids=lambda p: p.stem)

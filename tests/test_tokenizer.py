@@ -37,31 +37,68 @@ def test_builtin_tokenizer_round_trips_and_has_special_tokens(stdlib_cache):
 
 
 def test_load_tokenizer_errors_name_the_spec(tmp_path, small_tokenizer):
-    with pytest.raises(ValueError, match="unknown builtin tokenizer 'builtin:nope'|unknown builtin tokenizer 'nope'"):
+    with pytest.raises(
+        ValueError, match="unknown builtin tokenizer 'builtin:nope'|unknown builtin tokenizer 'nope'"
+    ):
         load_tokenizer("builtin:nope")
     with pytest.raises(ValueError, match="does not exist"):
         load_tokenizer(str(tmp_path / "missing"))
-    PreTrainedTokenizerFast(tokenizer_object=small_tokenizer.backend_tokenizer).save_pretrained(tmp_path / "no_eos")
+    PreTrainedTokenizerFast(tokenizer_object=small_tokenizer.backend_tokenizer).save_pretrained(
+        tmp_path / "no_eos"
+    )
     with pytest.raises(ValueError, match="has no EOS token"):
         load_tokenizer(str(tmp_path / "no_eos"))
-    code = ("from lmpretrain.tokenizer import load_tokenizer\ntry:\n    load_tokenizer('no-such-org/no-such-tok')\n"
-            "except ValueError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"}).stdout
+    code = (
+        "from lmpretrain.tokenizer import load_tokenizer\ntry:\n    load_tokenizer('no-such-org/no-such-tok')\n"
+        "except ValueError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    ).stdout
     assert "could not load tokenizer 'no-such-org/no-such-tok'" in out
 
 
 def test_train_tokenizer_script_on_local_files(tmp_path):
     (tmp_path / "a.txt").write_text(TEXT * 50)
     (tmp_path / "b.jsonl").write_text('{"body": "import os"}\n' * 30)
-    out = subprocess.run([sys.executable, SCRIPT, "--files", str(tmp_path / "a.txt"),
-                          "--vocab-size", "300", "--out", str(tmp_path / "tok")], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--files",
+            str(tmp_path / "a.txt"),
+            "--vocab-size",
+            "300",
+            "--out",
+            str(tmp_path / "tok"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "vocab size 2" in out.stdout and "decodes back: True" in out.stdout  # a tiny corpus: <= 300 tokens
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
     assert tok.decode(tok(TEXT)["input_ids"]) == TEXT
-    out = subprocess.run([sys.executable, SCRIPT, "--files", str(tmp_path / "b.jsonl"),
-                          "--text-field", "nope", "--vocab-size", "300", "--out", str(tmp_path / "t2")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--files",
+            str(tmp_path / "b.jsonl"),
+            "--text-field",
+            "nope",
+            "--vocab-size",
+            "300",
+            "--out",
+            str(tmp_path / "t2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and "no field 'nope'" in out.stderr

@@ -45,11 +45,21 @@ WANDB_CLI = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "wandb"
 @pytest.fixture(autouse=True)
 def wandb_env(tmp_path, monkeypatch):
     """Keep W&B offline, quiet, and its caches/settings inside the test's tmp dir."""
-    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_RUN_ID", "WANDB_RESUME"):
+    for var in (
+        "WANDB_API_KEY",
+        "WANDB_IDENTITY_TOKEN_FILE",
+        "WANDB_BASE_URL",
+        "WANDB_RUN_ID",
+        "WANDB_RESUME",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    for var, sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"), ("WANDB_CONFIG_DIR", "config")):
+    for var, sub in (
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_DATA_DIR", "data"),
+        ("WANDB_CONFIG_DIR", "config"),
+    ):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home" / sub))
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     yield
@@ -58,14 +68,26 @@ def wandb_env(tmp_path, monkeypatch):
 
 def make_tracker(out, mode="offline", **kw):
     accelerator = Accelerator(log_with=wandb_log_with(mode), cpu=True)
-    defaults = dict(output_dir=out, project="lmpretrain-tests", mode=mode, run_name="tiny", group="sweep-a",
-                    run_config={"optim": {"lr": 1e-3}, "model": {"type": "llama"}, "world_size": 1})
+    defaults = dict(
+        output_dir=out,
+        project="lmpretrain-tests",
+        mode=mode,
+        run_name="tiny",
+        group="sweep-a",
+        run_config={"optim": {"lr": 1e-3}, "model": {"type": "llama"}, "world_size": 1},
+    )
     return Tracker(accelerator, **{**defaults, **kw})
 
 
 def train_row(step, tokens_per_step=64):
-    return {"train/loss": 5.0 / step, "train/lr": 1e-3, "train/grad_norm": 1.5, "train/clipped": step % 2 == 0,
-            "train/tokens_seen": step * tokens_per_step, "perf/tokens_per_s": 1000.0 + step}
+    return {
+        "train/loss": 5.0 / step,
+        "train/lr": 1e-3,
+        "train/grad_norm": 1.5,
+        "train/clipped": step % 2 == 0,
+        "train/tokens_seen": step * tokens_per_step,
+        "perf/tokens_per_s": 1000.0 + step,
+    }
 
 
 def steps_of(rows, key="step"):
@@ -114,10 +136,17 @@ def test_offline_run_has_keys_steps_config_and_tables(tmp_path):
     assert table["data"] == [[3, "def ", "generated at 3"], [3, "class ", "x"]]
     assert load_table(run, history[1], SAMPLES_TABLE_KEY) is None
     samples = read_jsonl(out / "samples.jsonl")
-    assert [(s["step"], s["prompt"]) for s in samples] == [(3, "def "), (3, "class "), (6, "def "), (6, "class ")]
+    assert [(s["step"], s["prompt"]) for s in samples] == [
+        (3, "def "),
+        (3, "class "),
+        (6, "def "),
+        (6, "class "),
+    ]
 
     # tokens seen is the x-axis of every train/eval/perf metric
-    metrics = [r.metric for r in iter_records(run_file(folders[0])) if r.WhichOneof("record_type") == "metric"]
+    metrics = [
+        r.metric for r in iter_records(run_file(folders[0])) if r.WhichOneof("record_type") == "metric"
+    ]
     axis = {m.glob_name or m.name: m.step_metric for m in metrics}
     assert axis["train/*"] == axis["eval/*"] == axis["perf/*"] == "train/tokens_seen"
 
@@ -135,10 +164,18 @@ def test_parser_agrees_with_wandb_cli_and_handles_multi_block_records(tmp_path):
     assert steps_of(run["history"], "_step") == list(range(1, 400))
     assert run_file(folder).stat().st_size > 4 * 32768
 
-    cli = subprocess.run([str(WANDB_CLI), "leet", "inspect", "--json", str(folder)],
-                         capture_output=True, text=True, timeout=120, check=True)
-    cli_history = [json.loads(line)["history"]["item"] for line in cli.stdout.splitlines()
-                   if json.loads(line).get("type") == "history"]
+    cli = subprocess.run(
+        [str(WANDB_CLI), "leet", "inspect", "--json", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    cli_history = [
+        json.loads(line)["history"]["item"]
+        for line in cli.stdout.splitlines()
+        if json.loads(line).get("type") == "history"
+    ]
     assert cli_history == run["history"]
 
 
@@ -256,8 +293,15 @@ def test_disabled_mode_writes_metrics_but_no_wandb(tmp_path):
 
 def test_tracker_refuses_an_accelerator_without_wandb(tmp_path):
     with pytest.raises(ValueError, match="log_with"):
-        Tracker(Accelerator(cpu=True), output_dir=tmp_path, project="p", mode="offline", run_name=None,
-                group=None, run_config={})
+        Tracker(
+            Accelerator(cpu=True),
+            output_dir=tmp_path,
+            project="p",
+            mode="offline",
+            run_name=None,
+            group=None,
+            run_config={},
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,19 +338,45 @@ def test_no_secret_in_any_artefact_when_the_api_key_is_set(tmp_path, monkeypatch
     assert sent["train"] == {"tokens_per_step": 4096}
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert len(files) > 5
-    leaks = [str(p) for p in files if key.encode() in p.read_bytes() or b"hf_abcdefghijklmnop" in p.read_bytes()]
+    leaks = [
+        str(p) for p in files if key.encode() in p.read_bytes() or b"hf_abcdefghijklmnop" in p.read_bytes()
+    ]
     assert leaks == []
 
 
 def test_secret_key_names():
-    for k in ("api_key", "wandb_api_key", "hf_token", "token", "HF-TOKEN", "access_token", "secret", "aws_secret_key",
-              "password", "db_passwd", "credentials", "apikey"):
+    for k in (
+        "api_key",
+        "wandb_api_key",
+        "hf_token",
+        "token",
+        "HF-TOKEN",
+        "access_token",
+        "secret",
+        "aws_secret_key",
+        "password",
+        "db_passwd",
+        "credentials",
+        "apikey",
+    ):
         assert is_secret_key(k), k
-    for k in ("tokenizer", "tokens_seen", "max_tokens", "pad_token", "eos_token", "bos_token_id", "token_ids",
-              "num_tokens", "tokens_per_step", "lr"):
+    for k in (
+        "tokenizer",
+        "tokens_seen",
+        "max_tokens",
+        "pad_token",
+        "eos_token",
+        "bos_token_id",
+        "token_ids",
+        "num_tokens",
+        "tokens_per_step",
+        "lr",
+    ):
         assert not is_secret_key(k), k
     assert scrub_secrets({"a": ["x", {"token": 5}], "b": "say SECRETVALUE"}, secrets=["SECRETVALUE"]) == {
-        "a": ["x", {"token": REDACTED}], "b": f"say {REDACTED}"}
+        "a": ["x", {"token": REDACTED}],
+        "b": f"say {REDACTED}",
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,17 +445,37 @@ def test_console_warnings_are_said_once_per_kind():
 
 
 def test_format_log_line_shows_only_present_keys():
-    line = format_log_line(10, {"train/loss": 3.14159, "train/lr": 3e-4, "train/grad_norm": 1.2,
-                                "train/clipped": True, "perf/tokens_per_s": 12345.0, "perf/mfu": 0.123,
-                                "train/tokens_seen": 2_500_000}, max_steps=100)
-    assert line == ("step 10/100 | loss 3.1416 | lr 3.00e-04 | gnorm 1.2 (clipped) | 12.3k tok/s | mfu 12.3% "
-                    "| 2.5M tokens")
+    line = format_log_line(
+        10,
+        {
+            "train/loss": 3.14159,
+            "train/lr": 3e-4,
+            "train/grad_norm": 1.2,
+            "train/clipped": True,
+            "perf/tokens_per_s": 12345.0,
+            "perf/mfu": 0.123,
+            "train/tokens_seen": 2_500_000,
+        },
+        max_steps=100,
+    )
+    assert line == (
+        "step 10/100 | loss 3.1416 | lr 3.00e-04 | gnorm 1.2 (clipped) | 12.3k tok/s | mfu 12.3% "
+        "| 2.5M tokens"
+    )
     assert format_log_line(5, {"eval/loss": 2.0, "eval/ppl": 7.389}) == "step 5 | eval loss 2.0000 ppl 7.39"
 
 
 def test_package_versions_and_git_commit(tmp_path):
     versions = package_versions()
-    assert set(versions) == {"python", "torch", "transformers", "accelerate", "datasets", "tokenizers", "wandb"}
+    assert set(versions) == {
+        "python",
+        "torch",
+        "transformers",
+        "accelerate",
+        "datasets",
+        "tokenizers",
+        "wandb",
+    }
     assert versions["torch"] and versions["wandb"]
     assert git_commit(tmp_path) is None  # not a checkout
     if shutil.which("git"):

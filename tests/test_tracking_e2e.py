@@ -16,13 +16,20 @@ def runs(tmp_path_factory):
     """Two runs with the same seed and one with another lr, all with an API key in the environment."""
     root = tmp_path_factory.mktemp("compare")
     env = {"WANDB_API_KEY": SECRET}
-    return {name: rr.run(root / name, *SHORT, *extra, launch=None, env=env)
-            for name, extra in (("seed-a", []), ("seed-b", []), ("lr-high", ["--optim.lr=1e-2"]))}
+    return {
+        name: rr.run(root / name, *SHORT, *extra, launch=None, env=env)
+        for name, extra in (("seed-a", []), ("seed-b", []), ("lr-high", ["--optim.lr=1e-2"]))
+    }
 
 
 def compare(*args):
-    return subprocess.run([sys.executable, str(rr.ROOT / "scripts" / "compare_runs.py"), *map(str, args)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(rr.ROOT / "scripts" / "compare_runs.py"), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_compare_runs_table_diff_and_plot(runs, tmp_path):
@@ -38,15 +45,26 @@ def test_compare_runs_table_diff_and_plot(runs, tmp_path):
 
 
 def test_assert_close_passes_for_same_seed_and_fails_for_another_lr(runs, tmp_path):
-    same = compare(runs["seed-a"].out, runs["seed-b"].out, "--assert-close", "1e-6", "--plot", tmp_path / "a.png")
+    same = compare(
+        runs["seed-a"].out, runs["seed-b"].out, "--assert-close", "1e-6", "--plot", tmp_path / "a.png"
+    )
     assert same.returncode == 0, same.stdout
-    differ = compare(runs["seed-a"].out, runs["lr-high"].out, "--assert-close", "1e-3", "--plot", tmp_path / "b.png")
+    differ = compare(
+        runs["seed-a"].out, runs["lr-high"].out, "--assert-close", "1e-3", "--plot", tmp_path / "b.png"
+    )
     assert differ.returncode == 1 and "NOT CLOSE" in differ.stdout
 
 
 def test_compare_reads_offline_wandb_files_too(runs, tmp_path):
-    out = compare(runs["seed-a"].out, runs["seed-b"].out, "--wandb", "--assert-close", "1e-6",
-                  "--plot", tmp_path / "w.png")
+    out = compare(
+        runs["seed-a"].out,
+        runs["seed-b"].out,
+        "--wandb",
+        "--assert-close",
+        "1e-6",
+        "--plot",
+        tmp_path / "w.png",
+    )
     assert out.returncode == 0, out.stdout
 
 

@@ -138,14 +138,21 @@ def _check_plain(obj, where: str) -> None:
         for i, v in enumerate(obj):
             _check_plain(v, f"{where}[{i}]")
     elif not isinstance(obj, _PLAIN):
-        raise TypeError(f"{where} is a {type(obj).__module__}.{type(obj).__name__}; checkpoints hold only "
-                        f"dicts, lists, ints, floats, bools, strs, None and tensors (convert it, e.g. int(x))")
+        raise TypeError(
+            f"{where} is a {type(obj).__module__}.{type(obj).__name__}; checkpoints hold only "
+            f"dicts, lists, ints, floats, bools, strs, None and tensors (convert it, e.g. int(x))"
+        )
 
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -162,12 +169,16 @@ def merge_data_states(states: list[dict]) -> dict:
                 streams = merged.setdefault("streams", {})
                 for sid, s in value.items():
                     if sid in streams and not _same(streams[sid], s):
-                        raise CheckpointError(f"data stream {sid!r} has different states in two rank files "
-                                              f"(second one: {rank_file(rank)}); the checkpoint is inconsistent")
+                        raise CheckpointError(
+                            f"data stream {sid!r} has different states in two rank files "
+                            f"(second one: {rank_file(rank)}); the checkpoint is inconsistent"
+                        )
                     streams[sid] = s
             elif key in merged and not _same(merged[key], value):
-                raise CheckpointError(f"data state key {key!r} differs between rank files ({rank_file(rank)}); "
-                                      f"only 'streams' is merged across ranks")
+                raise CheckpointError(
+                    f"data state key {key!r} differs between rank files ({rank_file(rank)}); "
+                    f"only 'streams' is merged across ranks"
+                )
             else:
                 merged[key] = value
     return merged
@@ -178,11 +189,19 @@ def _split_tied(state_dict: dict) -> tuple[dict, dict]:
     unique, aliases, seen = {}, {}, {}
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
-            raise CheckpointError(f"model state entry {name!r} is a {type(t).__name__}, not a tensor; "
-                                  f"model.safetensors can only hold tensors")
+            raise CheckpointError(
+                f"model state entry {name!r} is a {type(t).__name__}, not a tensor; "
+                f"model.safetensors can only hold tensors"
+            )
         key = None
         if t.numel():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            key = (
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                tuple(t.shape),
+                tuple(t.stride()),
+                t.dtype,
+            )
         if key is not None and key in seen:
             aliases[name] = seen[key]
             continue
@@ -235,7 +254,9 @@ def checkpoint_problem(path: Path) -> str | None:
     except (OSError, ValueError) as err:
         return f"unreadable {TRAINER_STATE_FILE} ({err})"
     if trainer_state.get("step") != int(match.group(1)):
-        return f"{TRAINER_STATE_FILE} says step {trainer_state.get('step')}, the directory name {match.group(1)}"
+        return (
+            f"{TRAINER_STATE_FILE} says step {trainer_state.get('step')}, the directory name {match.group(1)}"
+        )
     world_size = trainer_state.get("world_size")
     if world_size is not None and world_size != len(ranks):
         return f"{len(ranks)} rank files for world size {world_size}"
@@ -273,7 +294,9 @@ class Checkpointer:
 
     def __init__(self, output_dir, accelerator=None, keep_last: int = 2):
         if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept")
+            raise ValueError(
+                f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept"
+            )
         self.output_dir = Path(output_dir)
         self.dir = self.output_dir / "checkpoints"
         self.state = accelerator if accelerator is not None else PartialState()
@@ -319,7 +342,9 @@ class Checkpointer:
                 )
             if existing and self.state.is_main_process:
                 # Left in place, they would be mixed with the new run's (auto-resume could pick them).
-                logger.warning("run.overwrite=true: deleting %d old checkpoint(s) in %s", len(existing), self.dir)
+                logger.warning(
+                    "run.overwrite=true: deleting %d old checkpoint(s) in %s", len(existing), self.dir
+                )
                 for path in existing:
                     _remove_dir(path)
             self.state.wait_for_everyone()
@@ -394,7 +419,12 @@ class Checkpointer:
             del optim_state
         if st.is_main_process:
             error = self._try(error, _write_text_synced, trainer_json, tmp / TRAINER_STATE_FILE)
-        rank_state = {"rank": st.process_index, "world_size": st.num_processes, "rng": rng, "data": data_state}
+        rank_state = {
+            "rank": st.process_index,
+            "world_size": st.num_processes,
+            "rng": rng,
+            "data": data_state,
+        }
         error = self._try(error, _torch_save_synced, rank_state, tmp / rank_file(st.process_index))
         if any_rank(error is not None, st):
             raise self._failed(error, tmp, f"write {final.name}")
@@ -422,17 +452,23 @@ class Checkpointer:
         if self.state.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         if error is None:
-            return CheckpointError(f"another rank failed to {what} in {self.dir}; nothing was saved "
-                                   f"and the previous checkpoints are intact")
-        err = CheckpointError(f"failed to {what} in {self.dir}: {type(error).__name__}: {error}; nothing "
-                              f"was saved and the previous checkpoints are intact")
+            return CheckpointError(
+                f"another rank failed to {what} in {self.dir}; nothing was saved "
+                f"and the previous checkpoints are intact"
+            )
+        err = CheckpointError(
+            f"failed to {what} in {self.dir}: {type(error).__name__}: {error}; nothing "
+            f"was saved and the previous checkpoints are intact"
+        )
         err.__cause__ = error
         return err
 
     @staticmethod
     def _write_model(weights: dict, path: Path) -> None:
         tensors, aliases = _split_tied(weights)
-        safetensors.torch.save_file(tensors, path, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)})
+        safetensors.torch.save_file(
+            tensors, path, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)}
+        )
         _fsync(path)
 
     @staticmethod
@@ -440,13 +476,18 @@ class Checkpointer:
         if not optimizer.state:
             # get_optimizer_state_dict would initialise an unstepped optimizer with a fake step
             # (moments 0, step 1), changing the live run; save the hyperparameters only.
-            return {"state": {}, "param_groups": [
-                {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-            ]}
+            return {
+                "state": {},
+                "param_groups": [
+                    {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+                ],
+            }
         return get_optimizer_state_dict(model, optimizer, options=options)
 
     def _commit(self, tmp: Path, final: Path, nonce: int) -> None:
-        manifest = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = {
+            p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+        }
         _write_text_synced(json.dumps(manifest, indent=1, sort_keys=True), tmp / MARKER_FILE)
         _fsync(tmp)
         trash = None
@@ -509,27 +550,38 @@ class Checkpointer:
         if st.process_index < len(rank_states):
             restore_rng_state(rank_states[st.process_index]["rng"])  # last: loading must not move RNGs
         else:
-            logger.warning("checkpoint %s has RNG states for %d ranks; rank %d keeps its seeded RNG",
-                           path, len(rank_states), st.process_index)
+            logger.warning(
+                "checkpoint %s has RNG states for %d ranks; rank %d keeps its seeded RNG",
+                path,
+                len(rank_states),
+                st.process_index,
+            )
         return data_state, trainer_state
 
     def _load_deepspeed(self, path: Path, manifest: dict, model, ranks: int) -> None:
         if OPTIMIZER_FILE in manifest:
-            raise CheckpointError(f"{path} was written without DeepSpeed (full {OPTIMIZER_FILE}); DeepSpeed cannot "
-                                  f"load it: resume it with the launch config that wrote it")
+            raise CheckpointError(
+                f"{path} was written without DeepSpeed (full {OPTIMIZER_FILE}); DeepSpeed cannot "
+                f"load it: resume it with the launch config that wrote it"
+            )
         if ranks != self.state.num_processes:
-            raise CheckpointError(f"{path} holds DeepSpeed ZeRO optimizer partitions for {ranks} ranks but "
-                                  f"{self.state.num_processes} are running: resume with {ranks} processes")
+            raise CheckpointError(
+                f"{path} holds DeepSpeed ZeRO optimizer partitions for {ranks} ranks but "
+                f"{self.state.num_processes} are running: resume with {ranks} processes"
+            )
         # The engine restores weights, fp32 master copies, moments and its loss scaler from its own files.
-        loaded, _ = model.load_checkpoint(str(path), tag=DEEPSPEED_DIR, load_optimizer_states=True,
-                                          load_lr_scheduler_states=False)
+        loaded, _ = model.load_checkpoint(
+            str(path), tag=DEEPSPEED_DIR, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if loaded is None:
             raise CheckpointError(f"DeepSpeed could not load {path / DEEPSPEED_DIR}")
 
     def _load_full(self, path: Path, manifest: dict, model, optimizer) -> None:
         if OPTIMIZER_FILE not in manifest:
-            raise CheckpointError(f"{path} was written by a DeepSpeed run (its optimizer state is partitioned in "
-                                  f"{DEEPSPEED_DIR}/): resume it under DeepSpeed with the same number of processes")
+            raise CheckpointError(
+                f"{path} was written by a DeepSpeed run (its optimizer state is partitioned in "
+                f"{DEEPSPEED_DIR}/): resume it under DeepSpeed with the same number of processes"
+            )
         weights = safetensors.torch.load_file(path / MODEL_FILE, device="cpu")
         with safetensors.safe_open(path / MODEL_FILE, framework="pt") as f:
             aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
@@ -541,8 +593,10 @@ class Checkpointer:
         optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         groups = optim_state["param_groups"]
         if len(groups) != len(optimizer.param_groups):
-            raise CheckpointError(f"{path / OPTIMIZER_FILE} has {len(groups)} parameter groups, "
-                                  f"the optimizer has {len(optimizer.param_groups)}")
+            raise CheckpointError(
+                f"{path / OPTIMIZER_FILE} has {len(groups)} parameter groups, "
+                f"the optimizer has {len(optimizer.param_groups)}"
+            )
         if optim_state["state"]:
             # torch's full-state loader fails with a bare KeyError on group keys the live optimizer
             # lacks (e.g. 'initial_lr' when the scheduler is built after loading); the load
@@ -550,7 +604,9 @@ class Checkpointer:
             for live, saved in zip(optimizer.param_groups, groups, strict=True):
                 for key, value in saved.items():
                     live.setdefault(key, value)
-            set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(
+                model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True)
+            )
             for live, saved in zip(optimizer.param_groups, groups, strict=True):  # it turns tuples into lists
                 for key, value in saved.items():
                     if isinstance(value, tuple) and isinstance(live.get(key), list):

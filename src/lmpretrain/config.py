@@ -334,13 +334,29 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
             p.append(f"{key}={value!r} must be one of {', '.join(allowed)}")
     if t.loss_scale_init <= 0:
         p.append("train.loss_scale_init must be > 0")
-    for key in ("train.max_steps", "train.micro_batch_size", "train.grad_accum_steps", "data.num_streams",
-                "eval.batches", "eval.batch_size", "checkpoint.keep_last", "logging.every"):
+    for key in (
+        "train.max_steps",
+        "train.micro_batch_size",
+        "train.grad_accum_steps",
+        "data.num_streams",
+        "eval.batches",
+        "eval.batch_size",
+        "checkpoint.keep_last",
+        "logging.every",
+    ):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 1:
             p.append(f"{key} must be >= 1")
-    for key in ("data.num_workers", "eval.every", "checkpoint.every", "run.threads", "eval.sample_tokens",
-                "optim.warmup_steps", "optim.weight_decay", "train.max_grad_norm"):
+    for key in (
+        "data.num_workers",
+        "eval.every",
+        "checkpoint.every",
+        "run.threads",
+        "eval.sample_tokens",
+        "optim.warmup_steps",
+        "optim.weight_decay",
+        "train.max_grad_norm",
+    ):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             p.append(f"{key} must be >= 0")

@@ -45,11 +45,17 @@ class ConsoleWarnings:
         loss = float(loss)
         self._clipped_run = self._clipped_run + 1 if clipped else 0
         if self._clipped_run >= self.clip_streak:
-            self._say("clipping", f"the gradient was clipped on each of the last {self._clipped_run} steps "
-                                  f"(step {step}): max_grad_norm may be too low or the lr too high")
+            self._say(
+                "clipping",
+                f"the gradient was clipped on each of the last {self._clipped_run} steps "
+                f"(step {step}): max_grad_norm may be too low or the lr too high",
+            )
         if skipped:
-            self._say("skipped", f"step {step} was skipped: inf/nan gradients under fp16 loss scaling "
-                                 "(train/skipped_steps counts them)")
+            self._say(
+                "skipped",
+                f"step {step} was skipped: inf/nan gradients under fp16 loss scaling "
+                "(train/skipped_steps counts them)",
+            )
         if not math.isfinite(loss):
             self._say("nonfinite", f"loss is {loss} at step {step}")
             return
@@ -57,9 +63,12 @@ class ConsoleWarnings:
             mean = sum(self._losses) / len(self._losses)
             std = math.sqrt(sum((x - mean) ** 2 for x in self._losses) / len(self._losses))
             if std > 0 and loss > mean + self.spike_sigma * std:
-                self._say("spike", f"loss spike at step {step}: {loss:.4f} is more than "
-                                   f"{self.spike_sigma:g} sigma above the last {len(self._losses)} steps' "
-                                   f"mean {mean:.4f} (sigma {std:.4f})")
+                self._say(
+                    "spike",
+                    f"loss spike at step {step}: {loss:.4f} is more than "
+                    f"{self.spike_sigma:g} sigma above the last {len(self._losses)} steps' "
+                    f"mean {mean:.4f} (sigma {std:.4f})",
+                )
         self._losses.append(loss)
 
 
@@ -91,7 +100,9 @@ def format_log_line(step: int, metrics: Mapping[str, Any], max_steps: int | None
     if m.get("train/skipped_steps"):
         parts.append(f"skipped {m['train/skipped_steps']}")
     if "eval/loss" in m:
-        parts.append(f"eval loss {m['eval/loss']:.4f}" + (f" ppl {m['eval/ppl']:.2f}" if "eval/ppl" in m else ""))
+        parts.append(
+            f"eval loss {m['eval/loss']:.4f}" + (f" ppl {m['eval/ppl']:.2f}" if "eval/ppl" in m else "")
+        )
     if "train/tokens_seen" in m:
         parts.append(f"{_si(m['train/tokens_seen'])} tokens")
     return " | ".join(parts)

@@ -122,16 +122,24 @@ def _build_stdlib(out: Path, max_files: int | None = None) -> None:
             skipped["empty"] += 1
             continue
         splits["validation" if is_validation(rel) else "train"].append({"text": text, "path": rel})
-    manifest = {"version": CORPUS_VERSION, "python": sys.version, "stdlib": sysconfig.get_paths()["stdlib"],
-                "skipped": skipped, "splits": {}}
+    manifest = {
+        "version": CORPUS_VERSION,
+        "python": sys.version,
+        "stdlib": sysconfig.get_paths()["stdlib"],
+        "skipped": skipped,
+        "splits": {},
+    }
     for split, num_shards in (("train", NUM_TRAIN_SHARDS), ("validation", NUM_VALIDATION_SHARDS)):
         docs = splits[split]
         for i, shard in enumerate(_balanced_shards(docs, num_shards)):
             with open(out / f"{split}-{i:05d}-of-{num_shards:05d}.jsonl", "w", encoding="utf-8") as f:
                 for doc in shard:
                     f.write(json.dumps(doc, ensure_ascii=False) + "\n")
-        manifest["splits"][split] = {"files": len(docs), "bytes": sum(len(d["text"].encode()) for d in docs),
-                                     "shards": num_shards}
+        manifest["splits"][split] = {
+            "files": len(docs),
+            "bytes": sum(len(d["text"].encode()) for d in docs),
+            "shards": num_shards,
+        }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 

@@ -37,18 +37,26 @@ def _batch_advice(saved: dict, current: dict, lr: float | None) -> str | None:
     if old_b is not None and new_b is not None and old_b != new_b:
         factor = new_b / old_b
         suggestion = f"optim.lr x {factor:g}" if lr is None else f"lr {lr:.4g} -> {lr * factor:.4g}"
-        return (f"the global batch changes {old_b} -> {new_b} (world size {old_w} -> {new_w}): with linear "
-                f"scaling the learning rate should change by x{factor:g} ({suggestion})")
+        return (
+            f"the global batch changes {old_b} -> {new_b} (world size {old_w} -> {new_w}): with linear "
+            f"scaling the learning rate should change by x{factor:g} ({suggestion})"
+        )
     if old_w != new_w:
         if old_b is not None and old_b == new_b:
-            return (f"world size changes {old_w} -> {new_w} but the global batch stays {old_b}: "
-                    f"no learning-rate rescaling is needed")
-        return (f"world size changes {old_w} -> {new_w}: if the global batch changes, rescale the learning "
-                f"rate linearly (lr x new_batch / old_batch)")
+            return (
+                f"world size changes {old_w} -> {new_w} but the global batch stays {old_b}: "
+                f"no learning-rate rescaling is needed"
+            )
+        return (
+            f"world size changes {old_w} -> {new_w}: if the global batch changes, rescale the learning "
+            f"rate linearly (lr x new_batch / old_batch)"
+        )
     return None
 
 
-def check_fingerprint(saved: dict, current: dict, *, allow_mismatch: bool, lr: float | None = None) -> list[str]:
+def check_fingerprint(
+    saved: dict, current: dict, *, allow_mismatch: bool, lr: float | None = None
+) -> list[str]:
     """Compare a checkpoint's fingerprint with this run's; raise naming every difference unless allowed.
 
     Nested dicts are compared key by key (``model.hidden_size``). ``num_workers`` may differ silently.
@@ -61,7 +69,8 @@ def check_fingerprint(saved: dict, current: dict, *, allow_mismatch: bool, lr: f
     diffs = [
         f"{key}: {old.get(key, missing)!r} -> {new.get(key, missing)!r}"
         for key in sorted(old.keys() | new.keys())
-        if key not in SILENT_FINGERPRINT_KEYS and key.rsplit(".", 1)[-1] not in SILENT_FINGERPRINT_KEYS
+        if key not in SILENT_FINGERPRINT_KEYS
+        and key.rsplit(".", 1)[-1] not in SILENT_FINGERPRINT_KEYS
         and old.get(key, missing) != new.get(key, missing)
     ]
     if not diffs:
@@ -72,8 +81,10 @@ def check_fingerprint(saved: dict, current: dict, *, allow_mismatch: bool, lr: f
         lines += [f"  {d}" for d in diffs]
         if advice:
             lines.append(f"note: {advice}")
-        lines.append(f"Resume anyway with {OVERRIDE_FLAG}, or start fresh in another output_dir "
-                     f"(or with --run.resume=never --run.overwrite=true).")
+        lines.append(
+            f"Resume anyway with {OVERRIDE_FLAG}, or start fresh in another output_dir "
+            f"(or with --run.resume=never --run.overwrite=true)."
+        )
         raise CheckpointMismatchError("\n".join(lines))
     warnings = [f"resuming across a fingerprint difference ({OVERRIDE_FLAG}): {d}" for d in diffs]
     if advice:

@@ -63,8 +63,12 @@ def matmul_params_per_token(model_config: Any) -> tuple[int, int, int]:
         return n_layers * (attention + mlp) + d * vocab, n_layers, d
     if model_type in _LLAMA_STYLE:
         d, n_layers, n_heads, d_ff, vocab = _require(
-            model_config, "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "intermediate_size", "vocab_size",
+            model_config,
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
         )
         n_kv = int(_get(model_config, "num_key_value_heads", n_heads))
         head_dim = int(_get(model_config, "head_dim", d // n_heads))
@@ -147,9 +151,16 @@ _GPU_NAME_PATTERNS: list[tuple[str, str]] = [
 ]
 
 _DTYPE_NAMES = {
-    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-    "no": "fp32", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16",
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    "no": "fp32",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
 }
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -159,7 +170,9 @@ def dtype_key(dtype: torch.dtype | str) -> str:
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}: use float32/bfloat16/float16 or no/bf16/fp16") from None
+        raise ValueError(
+            f"unsupported dtype {dtype!r}: use float32/bfloat16/float16 or no/bf16/fp16"
+        ) from None
 
 
 def gpu_table_key(device_name: str) -> str | None:
@@ -233,10 +246,16 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype | str) -> tuple[fl
     dtype_name = str(_TORCH_DTYPES[dt]).removeprefix("torch.")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        allow_tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+        allow_tf32 = (
+            torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+        )
         value = table_peak(name, dt, allow_tf32=allow_tf32)
         if value is not None:
-            used = "tf32" if dt == "fp32" and allow_tf32 and "tf32" in _GPU_PEAKS[gpu_table_key(name)] else dtype_name
+            used = (
+                "tf32"
+                if dt == "fp32" and allow_tf32 and "tf32" in _GPU_PEAKS[gpu_table_key(name)]
+                else dtype_name
+            )
             return value, f"table:{gpu_table_key(name)}:{used}"
         # Not in the table: measure, with a matmul big enough to saturate a GPU.
         return measure_peak_flops(str(device), dt, max_n=8192), f"measured:cuda:{name}:{dtype_name}"

@@ -30,7 +30,9 @@ def count_targets(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+def causal_lm_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """Teacher forcing: position t predicts labels[t+1]; summed in fp32 (or wider) over non-ignored targets."""
     logits = logits[:, :-1]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -21,13 +21,17 @@ def build_model_config(model_cfg) -> PretrainedConfig:
     # use_cache: training never reuses a KV cache; generation asks for one explicitly.
     overrides = {"use_cache": False, **model_cfg.overrides}
     if model_cfg.pretrained:  # one load: from_pretrained hands back the overrides it could not apply
-        config, unused = AutoConfig.from_pretrained(model_cfg.pretrained, return_unused_kwargs=True, **overrides)
+        config, unused = AutoConfig.from_pretrained(
+            model_cfg.pretrained, return_unused_kwargs=True, **overrides
+        )
         _refuse_unknown_overrides(config, unused)
         return config
     try:
         default = AutoConfig.for_model(model_cfg.type)
     except ValueError as err:
-        raise ConfigError([f"model.type={model_cfg.type!r} is not a transformers model type: {err}"]) from None
+        raise ConfigError(
+            [f"model.type={model_cfg.type!r} is not a transformers model type: {err}"]
+        ) from None
     _refuse_unknown_overrides(default, model_cfg.overrides)
     return AutoConfig.for_model(model_cfg.type, **overrides)
 

@@ -42,7 +42,9 @@ def describe_groups(groups: list[dict]) -> str:
     parts = []
     for g in groups:
         n = sum(p.numel() for p in g["params"])
-        parts.append(f"{g['name']}: {len(g['params'])} tensors, {n:,} params, weight_decay={g['weight_decay']}")
+        parts.append(
+            f"{g['name']}: {len(g['params'])} tensors, {n:,} params, weight_decay={g['weight_decay']}"
+        )
     return "; ".join(parts)
 
 

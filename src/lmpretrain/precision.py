@@ -25,7 +25,9 @@ class MixedPrecision:
     For bf16 and fp32 the scaler methods are pass-throughs, so the loop reads the same for all three.
     """
 
-    def __init__(self, precision: str, device: torch.device, init_scale: float = 2.0**16, engine: bool = False):
+    def __init__(
+        self, precision: str, device: torch.device, init_scale: float = 2.0**16, engine: bool = False
+    ):
         self.precision = precision
         self.device_type = device.type
         self.dtype = DTYPES[precision]
@@ -38,7 +40,9 @@ class MixedPrecision:
     def check_engine_weights(self, model) -> str:
         """Under DeepSpeed: refuse a silent fp32 run (the engine casts the weights it trains); returns
         what really runs, for the log."""
-        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+        dtypes = sorted(
+            {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+        )
         if self.dtype is not None and dtypes != [str(self.dtype).removeprefix("torch.")]:
             raise PrecisionUnavailableError(
                 f"train.precision={self.precision} requested, but the DeepSpeed engine holds {dtypes} weights; "

@@ -33,8 +33,9 @@ class PreemptionHandler:
 
     def __init__(self, *, verbose: bool = True, duplicate_window_s: float = 1.0):
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("PreemptionHandler must be created in the main thread (Python delivers "
-                               "signals only there)")
+            raise RuntimeError(
+                "PreemptionHandler must be created in the main thread (Python delivers signals only there)"
+            )
         self.verbose = verbose
         self.duplicate_window_s = duplicate_window_s
         self.signal_name: str | None = None

@@ -15,10 +15,18 @@ def capture_rng_state() -> dict:
     version, internal, gauss_next = random.getstate()
     np_name, np_key, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
     state = {
-        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
-                   "gauss_next": gauss_next},
-        "numpy": {"name": np_name, "key": torch.from_numpy(np_key.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
+        "python": {
+            "version": version,
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "name": np_name,
+            "key": torch.from_numpy(np_key.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_cached),
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
@@ -30,17 +38,30 @@ def restore_rng_state(state: dict) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
     nps = state["numpy"]
-    np.random.set_state((nps["name"], nps["key"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"],
-                         nps["cached_gaussian"]))
+    np.random.set_state(
+        (
+            nps["name"],
+            nps["key"].numpy().astype(np.uint32),
+            nps["pos"],
+            nps["has_gauss"],
+            nps["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
     if cuda is not None:
         if not torch.cuda.is_available():
-            logger.warning("checkpoint has CUDA RNG states but CUDA is not available here: they are not restored")
+            logger.warning(
+                "checkpoint has CUDA RNG states but CUDA is not available here: they are not restored"
+            )
         else:
             if len(cuda) != torch.cuda.device_count():
-                logger.warning("checkpoint has CUDA RNG states for %d devices, this process sees %d: "
-                               "restoring the first %d", len(cuda), torch.cuda.device_count(),
-                               min(len(cuda), torch.cuda.device_count()))
+                logger.warning(
+                    "checkpoint has CUDA RNG states for %d devices, this process sees %d: "
+                    "restoring the first %d",
+                    len(cuda),
+                    torch.cuda.device_count(),
+                    min(len(cuda), torch.cuda.device_count()),
+                )
             for device, rng in enumerate(cuda[: torch.cuda.device_count()]):
                 torch.cuda.set_rng_state(rng, device)

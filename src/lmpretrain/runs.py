@@ -63,8 +63,11 @@ def load_run(run_dir: str | Path, source: str = "metrics") -> Run:
         rows = read_jsonl(path)
     elif source == "wandb":
         wandb_run = read_offline_history(run_dir)
-        rows = [{"step": r["_step"], **{k: v for k, v in r.items() if not k.startswith("_")}}
-                for r in wandb_run["history"] if "_step" in r]
+        rows = [
+            {"step": r["_step"], **{k: v for k, v in r.items() if not k.startswith("_")}}
+            for r in wandb_run["history"]
+            if "_step" in r
+        ]
     else:
         raise ValueError(f"source must be 'metrics' or 'wandb', got {source!r}")
     config_path = run_dir / "config.yaml"
@@ -115,15 +118,25 @@ def summarize(run: Run) -> dict:
 
 def format_table(summaries: list[dict]) -> str:
     """A fixed-width text table of :func:`summarize` results."""
-    cols = [("run", "run", "{}"), ("steps", "steps", "{}"), ("final_train_loss", "final train loss", "{:.4f}"),
-            ("final_eval_loss", "final eval loss", "{:.4f}"), ("best_eval_loss", "best eval loss", "{:.4f}"),
-            ("tokens_per_s_median", "tokens/s (median)", "{:.0f}"), ("wall_time_s", "wall time (s)", "{:.1f}")]
+    cols = [
+        ("run", "run", "{}"),
+        ("steps", "steps", "{}"),
+        ("final_train_loss", "final train loss", "{:.4f}"),
+        ("final_eval_loss", "final eval loss", "{:.4f}"),
+        ("best_eval_loss", "best eval loss", "{:.4f}"),
+        ("tokens_per_s_median", "tokens/s (median)", "{:.0f}"),
+        ("wall_time_s", "wall time (s)", "{:.1f}"),
+    ]
     cells = [[title for _, title, _ in cols]]
     for s in summaries:
         cells.append(["-" if s[k] is None else fmt.format(s[k]) for k, _, fmt in cols])
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-             for row in cells]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -174,7 +187,9 @@ def check_close(runs: list[Run], tol: float, key: str = LOSS_KEY) -> list[str]:
         if n == 0:
             problems.append(f"{a.name} vs {b.name}: no common steps with {key}")
         elif worst > tol:
-            problems.append(f"{a.name} vs {b.name}: max |diff| of {key} = {worst:.3g} > {tol:g} over {n} steps")
+            problems.append(
+                f"{a.name} vs {b.name}: max |diff| of {key} = {worst:.3g} > {tol:g} over {n} steps"
+            )
     return problems
 
 
@@ -196,8 +211,13 @@ def plot_runs(runs: list[Run], out: str | Path) -> Path:
             pts = _series(run, key)
             if pts:
                 xs = [tokens[s] if x_is_tokens else s for s, _ in pts]
-                ax.plot(xs, [v for _, v in pts], marker="o" if key == EVAL_KEY else None,
-                        markersize=3, label=run.name)
+                ax.plot(
+                    xs,
+                    [v for _, v in pts],
+                    marker="o" if key == EVAL_KEY else None,
+                    markersize=3,
+                    label=run.name,
+                )
     for ax, title in zip(axes, ("train loss", "eval loss"), strict=True):
         ax.set_title(title)
         ax.set_xlabel("tokens seen" if x_is_tokens else "step")

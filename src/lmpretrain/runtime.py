@@ -65,18 +65,31 @@ def build_accelerator(train, log_with=None) -> Accelerator:
     if not launch_requested("ACCELERATE_USE_DEEPSPEED"):
         # cpu=True on a machine without GPUs turns a torchrun-style multi-process launch into a real gloo
         # process group; without it each process runs alone (verified with --multi_gpu on CPU).
-        return Accelerator(cpu=not has_accelerator(), log_with=log_with, mixed_precision="no",
-                           gradient_accumulation_steps=accum)
+        return Accelerator(
+            cpu=not has_accelerator(),
+            log_with=log_with,
+            mixed_precision="no",
+            gradient_accumulation_steps=accum,
+        )
     if importlib.util.find_spec("deepspeed") is None:
-        raise LaunchError("the launch config asks for DeepSpeed but it is not installed: pip install -r requirements.txt")
+        raise LaunchError(
+            "the launch config asks for DeepSpeed but it is not installed: pip install -r requirements.txt"
+        )
     plugin = DeepSpeedPlugin(gradient_accumulation_steps=accum, gradient_clipping=train.max_grad_norm)
     # DeepSpeed runs on CPU through its CPU accelerator over gloo; accelerate only wires DeepSpeed up
     # with cpu=False, and then needs the backend named (it would assume a GPU's).
     handlers = [] if has_accelerator() else [InitProcessGroupKwargs(backend="gloo")]
-    accelerator = Accelerator(log_with=log_with, mixed_precision=train.precision, deepspeed_plugin=plugin,
-                              gradient_accumulation_steps=accum, kwargs_handlers=handlers)
+    accelerator = Accelerator(
+        log_with=log_with,
+        mixed_precision=train.precision,
+        deepspeed_plugin=plugin,
+        gradient_accumulation_steps=accum,
+        kwargs_handlers=handlers,
+    )
     # No dataloader goes through accelerate.prepare, so DeepSpeed learns the micro-batch here.
-    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = train.micro_batch_size
+    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = (
+        train.micro_batch_size
+    )
     return accelerator
 
 
@@ -95,7 +108,9 @@ def requested_processes() -> int | None:
     except (psutil.Error, OSError):
         return None
     try:
-        at = next(i for i in range(len(argv) - 1) if argv[i].endswith("accelerate") and argv[i + 1] == "launch")
+        at = next(
+            i for i in range(len(argv) - 1) if argv[i].endswith("accelerate") and argv[i + 1] == "launch"
+        )
     except StopIteration:
         return None
     from accelerate.commands.launch import launch_command_parser
@@ -115,7 +130,9 @@ def requested_processes() -> int | None:
 
 def check_launch(accelerator: Accelerator, train) -> None:
     """Refuse every degraded launch we can detect, with the command that works instead."""
-    fix = "on CPU use: accelerate launch --config_file configs/accelerate/cpu-ddp.yaml recipes/pretrain.py ..."
+    fix = (
+        "on CPU use: accelerate launch --config_file configs/accelerate/cpu-ddp.yaml recipes/pretrain.py ..."
+    )
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if env_world != accelerator.num_processes:
         raise LaunchError(
@@ -136,15 +153,21 @@ def check_launch(accelerator: Accelerator, train) -> None:
             "configs/accelerate/cpu-ddp.yaml for data parallelism on CPU"
         )
     if launch_requested("ACCELERATE_USE_DEEPSPEED") and dtype != DistributedType.DEEPSPEED:
-        raise LaunchError(f"DeepSpeed was requested but accelerate runs {dtype.value} on {accelerator.device}")
+        raise LaunchError(
+            f"DeepSpeed was requested but accelerate runs {dtype.value} on {accelerator.device}"
+        )
     # `accelerate launch` exports these from a launch config or its flags; the recipe config owns them.
-    owned = {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": ("train.grad_accum_steps", train.grad_accum_steps),
-             "ACCELERATE_GRADIENT_CLIPPING": ("train.max_grad_norm", train.max_grad_norm)}
+    owned = {
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": ("train.grad_accum_steps", train.grad_accum_steps),
+        "ACCELERATE_GRADIENT_CLIPPING": ("train.max_grad_norm", train.max_grad_norm),
+    }
     for env, (field, value) in owned.items():
         launched = os.environ.get(env, "auto")
         if launched != "auto" and float(launched) != value:
-            raise LaunchError(f"the launch config or flags set {env}={launched} but {field}={value}: remove it from "
-                              f"the launch (the recipe config owns it) or pass --{field}=...")
+            raise LaunchError(
+                f"the launch config or flags set {env}={launched} but {field}={value}: remove it from "
+                f"the launch (the recipe config owns it) or pass --{field}=..."
+            )
     if dtype == DistributedType.DEEPSPEED:
         check_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, train)
 
@@ -160,20 +183,28 @@ def check_deepspeed(ds_config: dict, train) -> None:
             f"DeepSpeed ZeRO stage {stage} is not supported by this recipe (stages {DEEPSPEED_STAGES}: its "
             "checkpoints and export read whole parameters). To shard parameters use configs/accelerate/fsdp.yaml"
         )
-    wanted = {"gradient_accumulation_steps": train.grad_accum_steps,
-              "gradient_clipping": train.max_grad_norm,
-              "fp16.enabled": train.precision == "fp16", "bf16.enabled": train.precision == "bf16"}
-    actual = {"gradient_accumulation_steps": ds_config.get("gradient_accumulation_steps"),
-              "gradient_clipping": ds_config.get("gradient_clipping", 0.0),  # DeepSpeed's default: off
-              "fp16.enabled": ds_config.get("fp16", {}).get("enabled", False),
-              "bf16.enabled": ds_config.get("bf16", {}).get("enabled", False)}
+    wanted = {
+        "gradient_accumulation_steps": train.grad_accum_steps,
+        "gradient_clipping": train.max_grad_norm,
+        "fp16.enabled": train.precision == "fp16",
+        "bf16.enabled": train.precision == "bf16",
+    }
+    actual = {
+        "gradient_accumulation_steps": ds_config.get("gradient_accumulation_steps"),
+        "gradient_clipping": ds_config.get("gradient_clipping", 0.0),  # DeepSpeed's default: off
+        "fp16.enabled": ds_config.get("fp16", {}).get("enabled", False),
+        "bf16.enabled": ds_config.get("bf16", {}).get("enabled", False),
+    }
     for key, value in wanted.items():
         if actual[key] != value:
-            raise LaunchError(f"the DeepSpeed config has {key}={actual[key]!r} but the recipe config asks for "
-                              f"{value!r} (train.*): remove it from the DeepSpeed/launch config, the recipe owns it")
+            raise LaunchError(
+                f"the DeepSpeed config has {key}={actual[key]!r} but the recipe config asks for "
+                f"{value!r} (train.*): remove it from the DeepSpeed/launch config, the recipe owns it"
+            )
     if train.precision == "fp16" and not get_accelerator().is_fp16_supported():
-        raise LaunchError(f"DeepSpeed has no fp16 on {get_accelerator().device_name()}: "
-                          "use --train.precision=bf16 or no")
+        raise LaunchError(
+            f"DeepSpeed has no fp16 on {get_accelerator().device_name()}: use --train.precision=bf16 or no"
+        )
 
 
 def describe_runtime(accelerator: Accelerator, threads: int) -> RuntimeInfo:

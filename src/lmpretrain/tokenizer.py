@@ -55,8 +55,10 @@ def _stdlib_texts(max_bytes: int) -> Iterator[str]:
 def ensure_builtin_tokenizer(name: str = "python-stdlib") -> Path:
     """Folder of a builtin tokenizer, trained on the builtin corpus' train split on first use (cached)."""
     if name not in BUILTIN_TOKENIZERS:
-        raise ValueError(f"unknown builtin tokenizer {name!r}; available: "
-                         + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_TOKENIZERS))
+        raise ValueError(
+            f"unknown builtin tokenizer {name!r}; available: "
+            + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_TOKENIZERS)
+        )
     vocab = BUILTIN_TOKENIZERS[name]
     final = cache_root() / f"tokenizer-{name}-{python_tag()}-v{vocab}"
     return build_once(final, lambda tmp: train_bpe(_stdlib_texts(_BUILTIN_TRAIN_BYTES), vocab, tmp))
@@ -65,11 +67,13 @@ def ensure_builtin_tokenizer(name: str = "python-stdlib") -> Path:
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """Load a tokenizer from a local folder, a Hub id, or `builtin:python-stdlib`; it must have an EOS token."""
     if spec.startswith(BUILTIN_PREFIX):
-        path = str(ensure_builtin_tokenizer(spec[len(BUILTIN_PREFIX):]))
+        path = str(ensure_builtin_tokenizer(spec[len(BUILTIN_PREFIX) :]))
     else:
         if spec.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(spec)):
-            raise ValueError(f"tokenizer folder {spec!r} does not exist; train one with scripts/train_tokenizer.py "
-                             "or use builtin:python-stdlib")
+            raise ValueError(
+                f"tokenizer folder {spec!r} does not exist; train one with scripts/train_tokenizer.py "
+                "or use builtin:python-stdlib"
+            )
         path = os.path.expanduser(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -77,8 +81,10 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
         where = "local folder" if os.path.isdir(path) else "Hub id (not a local folder; is the network up?)"
         raise ValueError(f"could not load tokenizer {spec!r} as a {where}: {type(e).__name__}: {e}") from e
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {spec!r} has no EOS token; the data packer needs one to separate documents. "
-                         "Set `eos_token` in its tokenizer_config.json or train one with scripts/train_tokenizer.py")
+        raise ValueError(
+            f"tokenizer {spec!r} has no EOS token; the data packer needs one to separate documents. "
+            "Set `eos_token` in its tokenizer_config.json or train one with scripts/train_tokenizer.py"
+        )
     return tokenizer
 
 

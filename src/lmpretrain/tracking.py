@@ -49,7 +49,9 @@ _SECRET_KEY = re.compile(
     r"credentials?|private_?key|access_?key)($|_)"
 )
 # ... but not ids/counts of tokens, nor a tokenizer's special tokens, which are plain strings.
-_NOT_SECRET_KEY = re.compile(r"(_ids?|_len|_length|_count|_size|_index)$|^(bos|eos|pad|unk|sep|cls|mask)_token$")
+_NOT_SECRET_KEY = re.compile(
+    r"(_ids?|_len|_length|_count|_size|_index)$|^(bos|eos|pad|unk|sep|cls|mask)_token$"
+)
 _SECRET_ENV = re.compile(r"(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
 
 
@@ -71,7 +73,9 @@ def scrub_secrets(obj: Any, secrets: list[str] | None = None) -> Any:
     secrets = secret_env_values() if secrets is None else secrets
     if isinstance(obj, Mapping):
         return {
-            k: REDACTED if is_secret_key(str(k)) and obj[k] not in (None, "") else scrub_secrets(obj[k], secrets)
+            k: REDACTED
+            if is_secret_key(str(k)) and obj[k] not in (None, "")
+            else scrub_secrets(obj[k], secrets)
             for k in obj
         }
     if isinstance(obj, (list, tuple)):
@@ -190,7 +194,10 @@ def resolve_wandb_mode(mode: str, probe_timeout: float = 2.0) -> str:
         if not can_reach(url, probe_timeout):
             reason = f"cannot reach {url} within {probe_timeout:g} s"
     if reason:
-        logger.warning("W&B: %s -> logging offline; sync later with `wandb sync <output_dir>/wandb/offline-run-*`", reason)
+        logger.warning(
+            "W&B: %s -> logging offline; sync later with `wandb sync <output_dir>/wandb/offline-run-*`",
+            reason,
+        )
         return "offline"
     return "online"
 
@@ -220,7 +227,11 @@ def git_commit(path: str | os.PathLike | None = None) -> str | None:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd, capture_output=True, text=True, timeout=5, check=True,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
@@ -345,7 +356,9 @@ class Tracker:
             self._last = (rows[-1]["step"], rows[-1], data.rfind(b"\n", 0, len(data) - 1) + 1)
 
     def _start_wandb(self, project, run_name, group, run_config, run_id) -> None:
-        if not any(str(t) == "wandb" or getattr(t, "name", None) == "wandb" for t in self.accelerator.log_with):
+        if not any(
+            str(t) == "wandb" or getattr(t, "name", None) == "wandb" for t in self.accelerator.log_with
+        ):
             raise ValueError(
                 "W&B mode is not 'disabled' but the Accelerator was built without W&B: create it with "
                 "Accelerator(log_with=lmpretrain.tracking.wandb_log_with(mode))"
@@ -394,8 +407,13 @@ class Tracker:
         try:
             self.accelerator.log(values, step=step)
         except Exception as err:  # noqa: BLE001 - any W&B failure must not stop training
-            logger.warning("W&B logging failed at step %d (%s: %s); continuing with %s only",
-                           step, type(err).__name__, err, self.metrics_path)
+            logger.warning(
+                "W&B logging failed at step %d (%s: %s); continuing with %s only",
+                step,
+                type(err).__name__,
+                err,
+                self.metrics_path,
+            )
             self._run = None
 
     def log_samples(self, step: int, rows: list[tuple[str, str]]) -> None:
@@ -409,8 +427,9 @@ class Tracker:
         if self._to_wandb(step):
             import wandb
 
-            table = wandb.Table(columns=["step", "prompt", "generation"],
-                                data=[[int(step), p, g] for p, g in rows])
+            table = wandb.Table(
+                columns=["step", "prompt", "generation"], data=[[int(step), p, g] for p, g in rows]
+            )
             self._send({SAMPLES_TABLE_KEY: table}, int(step))
 
     def finish(self, exit_code: int | None = None) -> None:
@@ -426,8 +445,9 @@ class Tracker:
             try:
                 self._run.finish(exit_code=exit_code)
             except Exception as err:  # noqa: BLE001 - the service may be gone (signalled with the job)
-                logger.warning("W&B finish failed (%s: %s); %s is complete", type(err).__name__, err,
-                               self.metrics_path)
+                logger.warning(
+                    "W&B finish failed (%s: %s); %s is complete", type(err).__name__, err, self.metrics_path
+                )
             else:
                 if self.mode == "offline" and not wait_until_complete(sync_file):
                     logger.warning("W&B: %s is still incomplete 30 s after finish()", sync_file)

@@ -190,16 +190,31 @@ def read_offline_run(run_dir: str | Path) -> dict:
     ``"<key>._type": "table-file"``, ``"<key>.path"``, ... -- see :func:`load_table`).
     """
     path = run_file(run_dir)
-    run: dict[str, Any] = {"id": None, "name": None, "project": None, "group": None, "start_time": None,
-                           "config": {}, "history": [], "summary": {}, "exit_code": None,
-                           "dir": str(path.parent)}
+    run: dict[str, Any] = {
+        "id": None,
+        "name": None,
+        "project": None,
+        "group": None,
+        "start_time": None,
+        "config": {},
+        "history": [],
+        "summary": {},
+        "exit_code": None,
+        "dir": str(path.parent),
+    }
     for record in iter_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             r = record.run
-            run.update(id=r.run_id, name=r.display_name or None, project=r.project or None,
-                       group=r.run_group or None,
-                       start_time=r.start_time.seconds + r.start_time.nanos / 1e9 if r.HasField("start_time") else None)
+            run.update(
+                id=r.run_id,
+                name=r.display_name or None,
+                project=r.project or None,
+                group=r.run_group or None,
+                start_time=r.start_time.seconds + r.start_time.nanos / 1e9
+                if r.HasField("start_time")
+                else None,
+            )
             _apply(run["config"], r.config)
         elif kind == "config":
             _apply(run["config"], record.config)
@@ -245,8 +260,14 @@ def read_offline_history(directory: str | Path, run_id: str | None = None) -> di
     segments = sorted((s for s in segments if s["id"] == run_id), key=lambda s: s["start_time"] or 0)
     if not segments:
         raise FileNotFoundError(f"no offline W&B run with id {run_id!r} under {directory}")
-    merged = {**segments[-1], "config": {}, "summary": {}, "history": [], "duplicate_steps": 0,
-              "segments": [s["dir"] for s in segments]}
+    merged = {
+        **segments[-1],
+        "config": {},
+        "summary": {},
+        "history": [],
+        "duplicate_steps": 0,
+        "segments": [s["dir"] for s in segments],
+    }
     seen: set[int] = set()
     for seg in segments:
         merged["config"].update(seg["config"])

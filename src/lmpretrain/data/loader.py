@@ -61,25 +61,37 @@ def _open_all(sources: list[SourceSpec | dict], tokenizer) -> tuple[list[SourceS
             from lmpretrain.tokenizer import tokenizer_hash
 
             if meta.get("tokenizer_hash") != tokenizer_hash(tokenizer):
-                raise DataError(f"source {src.label} was pre-tokenized with another tokenizer "
-                                f"({meta.get('tokenizer')!r}); re-run scripts/prepare_data.py with this one")
+                raise DataError(
+                    f"source {src.label} was pre-tokenized with another tokenizer "
+                    f"({meta.get('tokenizer')!r}); re-run scripts/prepare_data.py with this one"
+                )
     return specs, opened, encoder
 
 
 class _StreamsDataset(IterableDataset):
     """Yields one item per step: ({stream: rows}, {stream: state after those rows}) for the streams it owns."""
 
-    def __init__(self, sources, encoder, streams, states, counts, *, seq_len, num_streams, seed, shuffle, window):
+    def __init__(
+        self, sources, encoder, streams, states, counts, *, seq_len, num_streams, seed, shuffle, window
+    ):
         super().__init__()
-        self.sources, self.encoder, self.streams, self.states, self.counts = sources, encoder, streams, states, counts
+        self.sources, self.encoder, self.streams, self.states, self.counts = (
+            sources,
+            encoder,
+            streams,
+            states,
+            counts,
+        )
         self.kw = dict(num_streams=num_streams, seq_len=seq_len, seed=seed, shuffle=shuffle, window=window)
         self.readers: dict[int, StreamReader] = {}
 
     def __iter__(self):
         info = get_worker_info()
-        mine = self.streams if info is None else self.streams[info.id::info.num_workers]
-        self.readers = {s: StreamReader(self.sources, self.encoder, stream=s, state=self.states[s], **self.kw)
-                        for s in mine}
+        mine = self.streams if info is None else self.streams[info.id :: info.num_workers]
+        self.readers = {
+            s: StreamReader(self.sources, self.encoder, stream=s, state=self.states[s], **self.kw)
+            for s in mine
+        }
         while True:
             chunks = {s: torch.from_numpy(r.next_blocks(self.counts[s])) for s, r in self.readers.items()}
             yield chunks, {s: r.state() for s, r in self.readers.items()}
@@ -88,20 +100,38 @@ class _StreamsDataset(IterableDataset):
 class TrainStream:
     """Endless training rows, one `StepRows` per optimizer step, for one rank; see the module docstring."""
 
-    def __init__(self, sources: list[SourceSpec], tokenizer, *, seq_len: int, num_streams: int, rows_per_step: int,
-                 rank: int, world_size: int, num_workers: int, seed: int, shuffle: bool = True,
-                 shuffle_window: int = 64):
+    def __init__(
+        self,
+        sources: list[SourceSpec],
+        tokenizer,
+        *,
+        seq_len: int,
+        num_streams: int,
+        rows_per_step: int,
+        rank: int,
+        world_size: int,
+        num_workers: int,
+        seed: int,
+        shuffle: bool = True,
+        shuffle_window: int = 64,
+    ):
         problems = []
         if world_size < 1 or not 0 <= rank < world_size:
             problems.append(f"rank {rank} is not in [0, world_size={world_size})")
         elif num_streams < 1 or num_streams % world_size:
-            problems.append(f"data.num_streams ({num_streams}) must be a positive multiple of the number of "
-                            f"processes ({world_size})")
+            problems.append(
+                f"data.num_streams ({num_streams}) must be a positive multiple of the number of "
+                f"processes ({world_size})"
+            )
         elif not 0 <= num_workers <= num_streams // world_size:
-            problems.append(f"data.num_workers ({num_workers}) must be between 0 and data.num_streams / processes "
-                            f"({num_streams // world_size}); each worker owns whole streams")
+            problems.append(
+                f"data.num_workers ({num_workers}) must be between 0 and data.num_streams / processes "
+                f"({num_streams // world_size}); each worker owns whole streams"
+            )
         if world_size >= 1 and (rows_per_step < 1 or rows_per_step % world_size):
-            problems.append(f"rows per step ({rows_per_step}) must be a positive multiple of world_size ({world_size})")
+            problems.append(
+                f"rows per step ({rows_per_step}) must be a positive multiple of world_size ({world_size})"
+            )
         if seq_len < 1:
             problems.append(f"data.seq_len must be >= 1, got {seq_len}")
         if shuffle_window < 1:
@@ -119,9 +149,16 @@ class TrainStream:
         for src in self.sources:
             _, keep_every, _ = shard_plan(src.n_shards, num_streams, 0)
             if keep_every > 1:
-                logger.warning("source %s has %d shards for %d streams: streams share shards and keep every %d-th "
-                               "document, so each reads ~%dx the data it uses; give it >= %d shards to avoid this",
-                               src.label, src.n_shards, num_streams, keep_every, keep_every, num_streams)
+                logger.warning(
+                    "source %s has %d shards for %d streams: streams share shards and keep every %d-th "
+                    "document, so each reads ~%dx the data it uses; give it >= %d shards to avoid this",
+                    src.label,
+                    src.n_shards,
+                    num_streams,
+                    keep_every,
+                    keep_every,
+                    num_streams,
+                )
         initial = StreamReader.initial_state(len(self.sources))
         self._states: dict[int, dict] = {s: copy.deepcopy(initial) for s in self.owned}
         self._loader_iter = None
@@ -131,17 +168,32 @@ class TrainStream:
         """Start (or restart) from the current state: the last consumed step, or what `load_state_dict` set."""
         self.close()
         self._dataset = _StreamsDataset(
-            self.sources, self.encoder, self.owned, copy.deepcopy(self._states), self.counts, seq_len=self.seq_len,
-            num_streams=self.num_streams, seed=self.seed, shuffle=self.shuffle, window=self.shuffle_window)
+            self.sources,
+            self.encoder,
+            self.owned,
+            copy.deepcopy(self._states),
+            self.counts,
+            seq_len=self.seq_len,
+            num_streams=self.num_streams,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            window=self.shuffle_window,
+        )
         if self.num_workers == 0:
             items = iter(self._dataset)
         else:
             # Forked workers would otherwise warn and disable the tokenizer's threads one by one.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             # Own generator: creating the workers must not draw from the global torch RNG (resume exactness).
-            loader = DataLoader(self._dataset, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
-                                prefetch_factor=2, worker_init_fn=_leave_signals_to_the_trainer,
-                                generator=torch.Generator().manual_seed(self.seed))
+            loader = DataLoader(
+                self._dataset,
+                batch_size=None,
+                num_workers=self.num_workers,
+                collate_fn=_identity,
+                prefetch_factor=2,
+                worker_init_fn=_leave_signals_to_the_trainer,
+                generator=torch.Generator().manual_seed(self.seed),
+            )
             items = self._loader_iter = iter(loader)
         return self._steps(items)
 
@@ -156,23 +208,34 @@ class TrainStream:
                 states.update(s)
             rows = torch.cat([chunks[s] for s in self.owned]).long()
             self._states.update(states)  # only now is this step consumed
-            yield StepRows(rows, epoch=min(st["sources"][0][0] for st in self._states.values()),
-                           skipped_docs=sum(p[3] for st in self._states.values() for p in st["sources"]))
+            yield StepRows(
+                rows,
+                epoch=min(st["sources"][0][0] for st in self._states.values()),
+                skipped_docs=sum(p[3] for st in self._states.values() for p in st["sources"]),
+            )
 
     def state_dict(self) -> dict:
         """Position of what was consumed: {"version", "num_streams", "streams": {stream id: plain dict}}."""
-        return {"version": STATE_VERSION, "num_streams": self.num_streams, "streams": copy.deepcopy(self._states)}
+        return {
+            "version": STATE_VERSION,
+            "num_streams": self.num_streams,
+            "streams": copy.deepcopy(self._states),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Take this rank's streams from a state holding (at least) them, e.g. all ranks' merged states."""
         if state.get("num_streams") != self.num_streams:
-            raise DataError(f"data state was saved with data.num_streams={state.get('num_streams')}, this run has "
-                            f"{self.num_streams}; the stream layout must stay the same to resume")
+            raise DataError(
+                f"data state was saved with data.num_streams={state.get('num_streams')}, this run has "
+                f"{self.num_streams}; the stream layout must stay the same to resume"
+            )
         streams = {int(k): v for k, v in state["streams"].items()}
         missing = [s for s in self.owned if s not in streams]
         if missing:
-            raise DataError(f"data state lacks streams {missing[:8]} owned by rank {self.rank}; pass the merged "
-                            "states of all ranks (merge_stream_states)")
+            raise DataError(
+                f"data state lacks streams {missing[:8]} owned by rank {self.rank}; pass the merged "
+                "states of all ranks (merge_stream_states)"
+            )
         self.close()
         self._states = {s: copy.deepcopy(streams[s]) for s in self.owned}
 
@@ -180,9 +243,17 @@ class TrainStream:
         """What the stream depends on. world_size and num_workers are informational: resuming across them is exact."""
         from lmpretrain.tokenizer import tokenizer_hash
 
-        return {"sources": [asdict(s) for s in self.specs], "tokenizer": tokenizer_hash(self.tokenizer),
-                "seq_len": self.seq_len, "num_streams": self.num_streams, "seed": self.seed, "shuffle": self.shuffle,
-                "shuffle_window": self.shuffle_window, "world_size": self.world_size, "num_workers": self.num_workers}
+        return {
+            "sources": [asdict(s) for s in self.specs],
+            "tokenizer": tokenizer_hash(self.tokenizer),
+            "seq_len": self.seq_len,
+            "num_streams": self.num_streams,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_window": self.shuffle_window,
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+        }
 
     def records_read(self) -> int:
         """Records this rank's in-process readers pulled from the sources (num_workers=0 only; for tests)."""
@@ -220,7 +291,11 @@ def merge_stream_states(per_rank_states: list[dict]) -> dict:
             if k in merged and merged[k] != v:
                 raise DataError(f"two ranks saved different states for stream {k}")
             merged[k] = copy.deepcopy(v)
-    return {"version": STATE_VERSION, "num_streams": num_streams.pop(), "streams": dict(sorted(merged.items()))}
+    return {
+        "version": STATE_VERSION,
+        "num_streams": num_streams.pop(),
+        "streams": dict(sorted(merged.items())),
+    }
 
 
 def heldout_blocks(sources: list[SourceSpec], tokenizer, *, seq_len: int, num_blocks: int) -> torch.Tensor:
@@ -255,6 +330,8 @@ def heldout_blocks(sources: list[SourceSpec], tokenizer, *, seq_len: int, num_bl
         if have >= need:
             break
     if have < need:
-        raise DataError(f"the held-out sources ({', '.join(s.label for s in opened)}) hold {have} tokens, fewer than "
-                        f"{num_blocks} blocks x {seq_len}; lower eval.batches or add held-out data")
+        raise DataError(
+            f"the held-out sources ({', '.join(s.label for s in opened)}) hold {have} tokens, fewer than "
+            f"{num_blocks} blocks x {seq_len}; lower eval.batches or add held-out data"
+        )
     return torch.from_numpy(np.concatenate(pieces)[:need].reshape(num_blocks, seq_len))

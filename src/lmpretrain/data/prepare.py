@@ -18,7 +18,9 @@ from lmpretrain.data.sources import TOKENS_FIELD, TOKENS_META, SourceSpec, open_
 from lmpretrain.data.stream import Encoder
 
 
-def pretokenize(spec: SourceSpec | dict, tokenizer, out_dir: str | os.PathLike, *, batch_docs: int = 256) -> list[str]:
+def pretokenize(
+    spec: SourceSpec | dict, tokenizer, out_dir: str | os.PathLike, *, batch_docs: int = 256
+) -> list[str]:
     """Write `tokens-XXXXX-of-NNNNN.parquet` (column `input_ids`) plus `tokens_meta.json`; returns the shards."""
     from lmpretrain.tokenizer import tokenizer_hash
 
@@ -36,19 +38,29 @@ def pretokenize(spec: SourceSpec | dict, tokenizer, out_dir: str | os.PathLike, 
             for value in source.iter_shard(shard):
                 batch.append(value)
                 if len(batch) >= batch_docs:
-                    total_docs, total_tokens = _write(writer, schema, encoder, batch, total_docs, total_tokens)
+                    total_docs, total_tokens = _write(
+                        writer, schema, encoder, batch, total_docs, total_tokens
+                    )
                     batch = []
             if batch:
                 total_docs, total_tokens = _write(writer, schema, encoder, batch, total_docs, total_tokens)
         paths.append(str(path))
-    meta = {"tokenizer": getattr(tokenizer, "name_or_path", ""), "tokenizer_hash": tokenizer_hash(tokenizer),
-            "source": source.label, "shards": n, "documents": total_docs, "tokens": total_tokens,
-            "eos_appended_when_streaming": True}
+    meta = {
+        "tokenizer": getattr(tokenizer, "name_or_path", ""),
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "source": source.label,
+        "shards": n,
+        "documents": total_docs,
+        "tokens": total_tokens,
+        "eos_appended_when_streaming": True,
+    }
     (out / TOKENS_META).write_text(json.dumps(meta, indent=2))
     return paths
 
 
-def _write(writer, schema, encoder: Encoder, batch: list, total_docs: int, total_tokens: int) -> tuple[int, int]:
+def _write(
+    writer, schema, encoder: Encoder, batch: list, total_docs: int, total_tokens: int
+) -> tuple[int, int]:
     """Append one row per record; bad records (None, non-string, empty) become empty rows."""
     good = [i for i, v in enumerate(batch) if isinstance(v, str) and v]
     ids: list[list[int]] = [[] for _ in batch]

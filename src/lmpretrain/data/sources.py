@@ -21,7 +21,13 @@ logger = logging.getLogger(__name__)
 TOKENS_FIELD = "input_ids"  # column of pre-tokenized parquet shards (scripts/prepare_data.py)
 TOKENS_META = "tokens_meta.json"
 _FORMATS = ("text", "json", "parquet", "tokens")
-_EXT_FORMATS = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json", ".parquet": "parquet"}
+_EXT_FORMATS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".json.gz": "json",
+    ".jsonl.gz": "json",
+    ".parquet": "parquet",
+}
 
 
 class DataError(ValueError):
@@ -50,7 +56,9 @@ class SourceSpec:
     def validate(self) -> None:
         given = [k for k in ("name", "files", "hub") if getattr(self, k)]
         if len(given) != 1:
-            raise DataError(f"a data source needs exactly one of name/files/hub, got {given or 'none'}: {self}")
+            raise DataError(
+                f"a data source needs exactly one of name/files/hub, got {given or 'none'}: {self}"
+            )
         if self.format is not None and self.format not in _FORMATS:
             raise DataError(f"source {self.label}: format {self.format!r} is not one of {_FORMATS}")
         if not self.weight > 0:
@@ -70,14 +78,22 @@ def expand_files(patterns: list[str]) -> list[str]:
     files: list[str] = []
     for pattern in patterns:
         pattern = os.path.expanduser(pattern)
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else (
-            [pattern] if os.path.exists(pattern) else [])
+        matches = (
+            sorted(glob.glob(pattern, recursive=True))
+            if glob.has_magic(pattern)
+            else ([pattern] if os.path.exists(pattern) else [])
+        )
         if not matches:
-            raise DataError(f"data file or glob {pattern!r} matches nothing (cwd: {os.getcwd()}); fix the path")
+            raise DataError(
+                f"data file or glob {pattern!r} matches nothing (cwd: {os.getcwd()}); fix the path"
+            )
         for match in matches:
             if os.path.isdir(match):
-                inside = sorted(str(p) for p in Path(match).rglob("*")
-                                if p.is_file() and not p.name.startswith(".") and p.name != TOKENS_META)
+                inside = sorted(
+                    str(p)
+                    for p in Path(match).rglob("*")
+                    if p.is_file() and not p.name.startswith(".") and p.name != TOKENS_META
+                )
                 if not inside:
                     raise DataError(f"data folder {match!r} contains no files")
                 files.extend(inside)
@@ -93,8 +109,10 @@ def infer_format(files: list[str]) -> str:
         fmt = next((v for ext, v in _EXT_FORMATS.items() if name.endswith(ext)), "text")
         formats.add(fmt)
     if len(formats) > 1:
-        raise DataError(f"files of one source must share a format, got {sorted(formats)} in {files[:5]}...; "
-                        "split them into several sources or set `format`")
+        raise DataError(
+            f"files of one source must share a format, got {sorted(formats)} in {files[:5]}...; "
+            "split them into several sources or set `format`"
+        )
     return formats.pop()
 
 
@@ -134,11 +152,15 @@ class Source:
             # splits the shards among workers itself, but each stream here owns its shards explicitly.
             for batch in unit.iter(batch_size=16):
                 if self.field not in batch:
-                    raise DataError(f"{where}: records have no field {self.field!r} (fields: {sorted(batch)}); "
-                                    f"set `text_field` of source {self.label}")
+                    raise DataError(
+                        f"{where}: records have no field {self.field!r} (fields: {sorted(batch)}); "
+                        f"set `text_field` of source {self.label}"
+                    )
                 yield from batch[self.field]
         except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not valid UTF-8 ({e}); convert it to UTF-8 or remove it from the source") from e
+            raise DataError(
+                f"{where}: not valid UTF-8 ({e}); convert it to UTF-8 or remove it from the source"
+            ) from e
 
 
 def open_source(spec: SourceSpec | dict) -> Source:
@@ -151,9 +173,11 @@ def open_source(spec: SourceSpec | dict) -> Source:
         try:
             ds = load_dataset(spec.hub, spec.hub_config, split=spec.split, streaming=True)
         except Exception as e:
-            raise DataError(f"could not open Hub dataset {spec.hub!r} (config {spec.hub_config!r}, split "
-                            f"{spec.split!r}): {type(e).__name__}: {e}. Check the id and the network, or use "
-                            "local `files`") from e
+            raise DataError(
+                f"could not open Hub dataset {spec.hub!r} (config {spec.hub_config!r}, split "
+                f"{spec.split!r}): {type(e).__name__}: {e}. Check the id and the network, or use "
+                "local `files`"
+            ) from e
         return _checked(Source(spec, ds, spec.text_field, None))
 
     if spec.name:
@@ -184,7 +208,9 @@ def open_source(spec: SourceSpec | dict) -> Source:
     except UnicodeDecodeError as e:
         raise DataError(f"source {spec.label}: a file is not valid UTF-8 ({e}); files: {files[:5]}") from e
     except Exception as e:
-        raise DataError(f"source {spec.label}: could not read {files[:3]} as {fmt}: {type(e).__name__}: {e}") from e
+        raise DataError(
+            f"source {spec.label}: could not read {files[:3]} as {fmt}: {type(e).__name__}: {e}"
+        ) from e
     return _checked(Source(spec, ds, field, files, tokens=fmt == "tokens"))
 
 
@@ -192,8 +218,10 @@ def _checked(source: Source) -> Source:
     features = source.dataset.features
     if features is not None and source.field not in features:
         where = source.files[0] if source.files else source.label
-        raise DataError(f"{where}: no field {source.field!r} (fields: {sorted(features)}); set `text_field` "
-                        f"of source {source.label} to the column holding the text")
+        raise DataError(
+            f"{where}: no field {source.field!r} (fields: {sorted(features)}); set `text_field` "
+            f"of source {source.label} to the column holding the text"
+        )
     if source.n_shards < 1:
         raise DataError(f"source {source.label} has no shards (empty corpus)")
     return source

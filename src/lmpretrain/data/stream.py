@@ -55,8 +55,10 @@ class Encoder:
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
         if self.eos_id is None:
-            raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no EOS token; the packer "
-                            "needs one between documents. Set eos_token or train one with scripts/train_tokenizer.py")
+            raise DataError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no EOS token; the packer "
+                "needs one between documents. Set eos_token or train one with scripts/train_tokenizer.py"
+            )
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
@@ -103,7 +105,11 @@ class SourceCursor:
             n = len(self.shards)
             order = list(range(n))
             if self.shuffle and n > 1:
-                order = rng(self.seed, _TAG_SHARD_ORDER, self.index, self.stream, self.epoch).permutation(n).tolist()
+                order = (
+                    rng(self.seed, _TAG_SHARD_ORDER, self.index, self.stream, self.epoch)
+                    .permutation(n)
+                    .tolist()
+                )
             self._order = (self.epoch, order)
         return self.shards[self._order[1][self.slot]]
 
@@ -124,7 +130,8 @@ class SourceCursor:
                         f"source {self.source.label} has too few documents for {self.num_streams} streams: stream "
                         f"{self.stream} found no usable document in a full pass over its share (shards "
                         f"{[self.source.describe_shard(u) for u in self.shards][:3]}, every {self.keep_every}th record; "
-                        f"{self.skipped} bad records skipped). Lower data.num_streams or add data (empty corpus?)")
+                        f"{self.skipped} bad records skipped). Lower data.num_streams or add data (empty corpus?)"
+                    )
                 continue
             i = self.record
             self.record += 1
@@ -135,9 +142,14 @@ class SourceCursor:
                 self.skipped += 1
                 if self.source.label not in _warned:
                     _warned.add(self.source.label)
-                    logger.warning("source %s: skipping bad records (None, non-string or empty %r), e.g. record %d "
-                                   "of %s; counted in skipped_docs", self.source.label, self.source.field, i,
-                                   self.source.describe_shard(self._shard()))
+                    logger.warning(
+                        "source %s: skipping bad records (None, non-string or empty %r), e.g. record %d "
+                        "of %s; counted in skipped_docs",
+                        self.source.label,
+                        self.source.field,
+                        i,
+                        self.source.describe_shard(self._shard()),
+                    )
                 continue
             shards_ended = 0
             return value
@@ -146,15 +158,30 @@ class SourceCursor:
 class StreamReader:
     """One virtual stream of packed blocks with an exact, small, restorable state."""
 
-    def __init__(self, sources: list[Source], encoder: Encoder, *, stream: int, num_streams: int, seq_len: int,
-                 seed: int, shuffle: bool, window: int, state: dict | None = None):
-        self.cursors = [SourceCursor(src, k, stream, num_streams, seed, shuffle) for k, src in enumerate(sources)]
+    def __init__(
+        self,
+        sources: list[Source],
+        encoder: Encoder,
+        *,
+        stream: int,
+        num_streams: int,
+        seq_len: int,
+        seed: int,
+        shuffle: bool,
+        window: int,
+        state: dict | None = None,
+    ):
+        self.cursors = [
+            SourceCursor(src, k, stream, num_streams, seed, shuffle) for k, src in enumerate(sources)
+        ]
         weights = np.array([src.spec.weight for src in sources], dtype=np.float64)
         self.cum_weights = np.cumsum(weights / weights.sum())
         self.encoder, self.stream, self.seq_len = encoder, stream, seq_len
         self.seed, self.shuffle, self.window = seed, shuffle, window
         self.mix = 0  # documents drawn so far (the mixing RNG's counter)
-        self.docs: deque = deque()  # [snapshot before reading the doc, tokens incl. EOS], not yet fully packed
+        self.docs: deque = (
+            deque()
+        )  # [snapshot before reading the doc, tokens incl. EOS], not yet fully packed
         self.offset = 0  # tokens of docs[0] already packed
         self.window_index, self.emitted = 0, 0
         self.blocks: np.ndarray | None = None
@@ -163,7 +190,13 @@ class StreamReader:
 
     @staticmethod
     def initial_state(num_sources: int) -> dict:
-        return {"window": 0, "emitted": 0, "mix": 0, "offset": 0, "sources": [[0, 0, 0, 0] for _ in range(num_sources)]}
+        return {
+            "window": 0,
+            "emitted": 0,
+            "mix": 0,
+            "offset": 0,
+            "sources": [[0, 0, 0, 0] for _ in range(num_sources)],
+        }
 
     def close(self) -> None:
         for cursor in self.cursors:
@@ -208,7 +241,7 @@ class StreamReader:
                 self._read_more()
             doc = self.docs[0][1]
             take = min(n - filled, len(doc) - self.offset)
-            out[filled:filled + take] = doc[self.offset:self.offset + take]
+            out[filled : filled + take] = doc[self.offset : self.offset + take]
             filled += take
             self.offset += take
             if self.offset == len(doc):
@@ -224,13 +257,17 @@ class StreamReader:
         self.window_pos = self._position()
         blocks = self._take(self.window * self.seq_len).reshape(self.window, self.seq_len)
         if self.shuffle:
-            blocks = blocks[rng(self.seed, _TAG_WINDOW, self.stream, self.window_index).permutation(self.window)]
+            blocks = blocks[
+                rng(self.seed, _TAG_WINDOW, self.stream, self.window_index).permutation(self.window)
+            ]
         self.blocks, self.emitted = blocks, 0
 
     def _restore(self, state: dict) -> None:
         if len(state["sources"]) != len(self.cursors):
-            raise DataError(f"data state has {len(state['sources'])} sources but the config has {len(self.cursors)}; "
-                            "resume with the same data.sources")
+            raise DataError(
+                f"data state has {len(state['sources'])} sources but the config has {len(self.cursors)}; "
+                "resume with the same data.sources"
+            )
         self.mix = int(state["mix"])
         for cursor, position in zip(self.cursors, state["sources"], strict=True):
             cursor.seek(position)
@@ -239,8 +276,10 @@ class StreamReader:
         if state["offset"]:
             self._read_more()
             if state["offset"] >= len(self.docs[0][1]):
-                raise DataError(f"stream {self.stream}: saved token offset {state['offset']} is past the end of its "
-                                "document; the data or tokenizer changed since the checkpoint")
+                raise DataError(
+                    f"stream {self.stream}: saved token offset {state['offset']} is past the end of its "
+                    "document; the data or tokenizer changed since the checkpoint"
+                )
             self.offset = int(state["offset"])
         self.window_index = int(state["window"])
         self._start_window()
@@ -271,5 +310,10 @@ class StreamReader:
         else:  # the window is done: point at the next one so a restore does not re-read this one
             (mix, sources), offset = self._position()
             window, emitted = self.window_index + 1, 0
-        return {"window": window, "emitted": emitted, "mix": mix, "offset": offset,
-                "sources": [list(p) for p in sources]}
+        return {
+            "window": window,
+            "emitted": emitted,
+            "mix": mix,
+            "offset": offset,
+            "sources": [list(p) for p in sources],
+        }

@@ -14,6 +14,7 @@ engine does unscale, clip and step inside the last micro-batch's backward; the l
 import math
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -21,17 +22,19 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from lmpretrain import runtime
-from lmpretrain.checkpoint import Checkpointer, CheckpointError, check_output_dir_writable
-from lmpretrain.config import ConfigError, config_problems, load_config, model_problems, save_config
+from lmpretrain.checkpoint import Checkpointer, check_output_dir_writable
+from lmpretrain.config import config_problems, load_config, model_problems, save_config
 from lmpretrain.console import ConsoleWarnings, format_log_line
-from lmpretrain.data import DataError, TrainStream, heldout_blocks
+from lmpretrain.data import TrainStream, heldout_blocks
+from lmpretrain.distributed import replica_digests
+from lmpretrain.errors import ConfigError, UserError
 from lmpretrain.evaluation import evaluate, generate_sample
 from lmpretrain.fingerprint import check_fingerprint
 from lmpretrain.flops import mfu, peak_flops, train_flops_per_token
 from lmpretrain.loss import causal_lm_loss_sum, count_targets, make_labels
 from lmpretrain.model import build_model, build_model_config, parameter_counts
 from lmpretrain.optim import build_optimizer, build_scheduler, describe_groups
-from lmpretrain.precision import MixedPrecision, PrecisionUnavailableError
+from lmpretrain.precision import MixedPrecision
 from lmpretrain.preemption import PreemptionHandler
 from lmpretrain.rng import capture_rng_state, restore_rng_state
 from lmpretrain.state import TrainState
@@ -40,11 +43,16 @@ from lmpretrain.tracking import Tracker, git_commit, package_versions, wandb_log
 
 
 def main(argv: list[str]) -> None:
+    with ExitStack() as cleanup:  # everything opened below is closed here, however the run ends
+        train(load_config(argv), cleanup)
+
+
+def train(cfg, cleanup: ExitStack) -> None:
     # ---- Config and processes: every problem is reported before any work starts ---------------
-    cfg = load_config(argv)
     accelerator, info = runtime.setup(
         cfg.train, cfg.run.threads, cfg.run.seed, wandb_log_with(cfg.logging.wandb_mode)
     )
+    cleanup.callback(accelerator.end_training)
     say = accelerator.print
     say(f"[lmpretrain] {info.describe()}")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -92,6 +100,7 @@ def main(argv: list[str]) -> None:
         shuffle=cfg.data.shuffle,
         shuffle_window=cfg.data.shuffle_window,
     )
+    cleanup.callback(train_data.close)
     eval_blocks = heldout_blocks(
         cfg.data.eval, tokenizer, seq_len=cfg.data.seq_len, num_blocks=cfg.eval.batches * cfg.eval.batch_size
     )
@@ -143,6 +152,7 @@ def main(argv: list[str]) -> None:
         run_id=state.wandb_run_id,
         resume_step=state.step if resume_from else None,
     )
+    cleanup.push(lambda exc_type, *_: tracker.finish(exit_code=1 if exc_type else 0))
     state.wandb_run_id = tracker.run_id
     warnings = ConsoleWarnings(say)
 
@@ -191,7 +201,7 @@ def main(argv: list[str]) -> None:
         restore_rng_state(loop_rng)
     else:
         set_seed(cfg.run.seed + info.rank)
-    preemption = PreemptionHandler()
+    preemption = cleanup.enter_context(PreemptionHandler())
     progress = tqdm(
         total=cfg.train.max_steps,
         initial=state.step,
@@ -201,6 +211,7 @@ def main(argv: list[str]) -> None:
         dynamic_ncols=True,
         mininterval=1.0,
     )
+    cleanup.callback(progress.close)
     max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
     if state.step == 0 and cfg.eval.every:  # the baseline every curve starts from
         tracker.log({**run_eval(), "train/tokens_seen": 0}, step=0)
@@ -276,7 +287,7 @@ def main(argv: list[str]) -> None:
             loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False
         )
         if state.step % cfg.logging.every == 0 and accelerator.is_main_process:
-            progress.write(format_log_line(state.step, metrics))
+            progress.write(format_log_line(state.step, metrics, cfg.train.max_steps))
 
         stop = preemption.should_stop(accelerator)
         if (
@@ -285,18 +296,13 @@ def main(argv: list[str]) -> None:
             save_checkpoint()
         if stop:
             say(f"[lmpretrain] stopped by signal after step {state.step}; resume with the same command")
-            train_data.close()
-            tracker.finish()
-            accelerator.end_training()
             return
     progress.close()
 
     # ---- Finish: export model + tokenizer for from_pretrained / pipeline() -------------------------
     train_data.close()
-    if info.sharding.startswith(
-        ("ddp", "deepspeed")
-    ):  # replicas must hold identical parameters after training
-        digests = runtime.replica_digests(model, accelerator)
+    if info.sharding.startswith(("ddp", "deepspeed")):  # replicas must hold identical parameters
+        digests = replica_digests(model, accelerator)
         say(f"[lmpretrain] parameter sha256 per rank: {' '.join(digests)}")
         if len(set(digests)) != 1:
             raise RuntimeError(f"ranks hold different parameters after training: {digests}")
@@ -312,14 +318,11 @@ def main(argv: list[str]) -> None:
         )
         say(f"[lmpretrain] done: step {state.step}, eval loss {state.eval_loss:.4f}, model saved to {final}")
         say(f"[lmpretrain] sample: {sample!r}")
-    tracker.finish()
-    preemption.restore()
-    accelerator.end_training()
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, runtime.LaunchError, CheckpointError, DataError, PrecisionUnavailableError) as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)  # a problem to fix, not a bug: no traceback
-        sys.exit(2)
+        sys.exit(err.exit_code)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lmpretrain.runs import (
+from lmpretrain.analysis.runs import (
     check_close,
     config_diff,
     format_config_diff,

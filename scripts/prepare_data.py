@@ -15,9 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from lmpretrain.data import DataError, SourceSpec
+from lmpretrain.data import SourceSpec
 from lmpretrain.data.prepare import pretokenize
 from lmpretrain.data.sources import TOKENS_META
+from lmpretrain.errors import DataError
 from lmpretrain.tokenizer import load_tokenizer
 
 

@@ -38,10 +38,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lmpretrain.config import ModelConfig, TrainConfig
+from lmpretrain.errors import LaunchError
 from lmpretrain.loss import IGNORE_INDEX, causal_lm_loss_sum, count_targets
 from lmpretrain.model import build_model, build_model_config
 from lmpretrain.optim import param_groups
-from lmpretrain.runtime import LaunchError, setup
+from lmpretrain.runtime import setup
 
 MODES = ("ddp", "fsdp2", "zero")
 MODEL = {

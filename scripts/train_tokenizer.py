@@ -11,7 +11,8 @@ import sys
 import time
 from collections.abc import Iterator
 
-from lmpretrain.data import DataError, SourceSpec, open_source
+from lmpretrain.data import SourceSpec, open_source
+from lmpretrain.errors import DataError
 from lmpretrain.tokenizer import train_bpe
 
 

@@ -23,7 +23,8 @@ from lmpretrain.checkpoint import (
     checkpoint_problem,
     merge_data_states,
 )
-from lmpretrain.fingerprint import CheckpointMismatchError, check_fingerprint
+from lmpretrain.errors import CheckpointMismatchError
+from lmpretrain.fingerprint import check_fingerprint
 from lmpretrain.rng import capture_rng_state, restore_rng_state
 from recipe_runner import launch_two_ranks
 
@@ -446,7 +447,8 @@ RANK_WORKER = textwrap.dedent("""
     import numpy as np, torch
     from accelerate import PartialState
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from lmpretrain.checkpoint import Checkpointer, CheckpointError
+    from lmpretrain.checkpoint import Checkpointer
+    from lmpretrain.errors import CheckpointError
 
     out = sys.argv[1]
     state = PartialState(cpu=True)

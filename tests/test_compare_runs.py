@@ -1,4 +1,4 @@
-"""scripts/compare_runs.py and lmpretrain.runs: table, config diff, PNG, --assert-close, --wandb."""
+"""scripts/compare_runs.py and lmpretrain.analysis.runs: table, config diff, PNG, --assert-close, --wandb."""
 
 import json
 import math
@@ -11,7 +11,15 @@ import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from lmpretrain.runs import check_close, config_diff, curve_distance, flatten, load_run, load_runs, summarize
+from lmpretrain.analysis.runs import (
+    check_close,
+    config_diff,
+    curve_distance,
+    flatten,
+    load_run,
+    load_runs,
+    summarize,
+)
 from lmpretrain.tracking import Tracker, wandb_log_with
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,8 @@ import copy
 
 import pytest
 
-from lmpretrain.config import ConfigError, config_problems, load_config, model_problems, parse_overrides
+from lmpretrain.config import config_problems, load_config, model_problems, parse_overrides
+from lmpretrain.errors import ConfigError
 from lmpretrain.model import build_model_config
 
 
@@ -133,7 +134,7 @@ def test_gpt2_positions_are_checked_through_the_attribute_map(tmp_path, small_to
 
 def test_unknown_model_override_names_the_nearest_field(tmp_path):
     cfg = load_config([write(tmp_path, "model:\n  type: llama\n  overrides: {hiden_size: 32}\n")])
-    with pytest.raises(ValueError, match="model.overrides.hiden_size \\(did you mean 'hidden_size'\\?\\)"):
+    with pytest.raises(ConfigError, match="model.overrides.hiden_size \\(did you mean 'hidden_size'\\?\\)"):
         build_model_config(cfg.model)
 
 
@@ -170,5 +171,5 @@ def test_overrides_on_a_pretrained_config_are_applied_or_refused(tmp_path):
             )
         ]
     )
-    with pytest.raises(ValueError, match="model.overrides.hiden_size \\(did you mean 'hidden_size'\\?\\)"):
+    with pytest.raises(ConfigError, match="model.overrides.hiden_size \\(did you mean 'hidden_size'\\?\\)"):
         build_model_config(bad.model)

@@ -15,8 +15,9 @@ import torch
 from conftest import write_jsonl_shards
 from transformers import PreTrainedTokenizerFast
 
-from lmpretrain.data import DataError, SourceSpec, TrainStream, heldout_blocks, merge_stream_states
+from lmpretrain.data import SourceSpec, TrainStream, heldout_blocks, merge_stream_states
 from lmpretrain.data.prepare import pretokenize
+from lmpretrain.errors import DataError
 
 TAG = re.compile(r"<([^>]+)>")
 

@@ -10,12 +10,12 @@ from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import recipe_runner as rr
+from lmpretrain.analysis.wandb_offline import find_offline_runs, read_offline_run
 from lmpretrain.config import load_config
 from lmpretrain.data import TrainStream
 from lmpretrain.model import build_model_config
 from lmpretrain.optim import lr_factor
 from lmpretrain.tokenizer import load_tokenizer
-from lmpretrain.wandb_offline import find_offline_runs, read_offline_run
 
 TRAIN_KEYS = {
     "train/loss",

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from lmpretrain.errors import TokenizerError
 from lmpretrain.tokenizer import load_tokenizer, tokenizer_hash, train_bpe
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "train_tokenizer.py")
@@ -38,19 +39,19 @@ def test_builtin_tokenizer_round_trips_and_has_special_tokens(stdlib_cache):
 
 def test_load_tokenizer_errors_name_the_spec(tmp_path, small_tokenizer):
     with pytest.raises(
-        ValueError, match="unknown builtin tokenizer 'builtin:nope'|unknown builtin tokenizer 'nope'"
+        TokenizerError, match="unknown builtin tokenizer 'builtin:nope'|unknown builtin tokenizer 'nope'"
     ):
         load_tokenizer("builtin:nope")
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(TokenizerError, match="does not exist"):
         load_tokenizer(str(tmp_path / "missing"))
     PreTrainedTokenizerFast(tokenizer_object=small_tokenizer.backend_tokenizer).save_pretrained(
         tmp_path / "no_eos"
     )
-    with pytest.raises(ValueError, match="has no EOS token"):
+    with pytest.raises(TokenizerError, match="has no EOS token"):
         load_tokenizer(str(tmp_path / "no_eos"))
     code = (
         "from lmpretrain.tokenizer import load_tokenizer\ntry:\n    load_tokenizer('no-such-org/no-such-tok')\n"
-        "except ValueError as e:\n    print(e)\n"
+        "except Exception as e:\n    print(e)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

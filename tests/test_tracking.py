@@ -14,6 +14,15 @@ import pytest
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
+from lmpretrain.analysis.wandb_offline import (
+    CorruptRunFile,
+    find_offline_runs,
+    iter_records,
+    load_table,
+    read_offline_history,
+    read_offline_run,
+    run_file,
+)
 from lmpretrain.console import ConsoleWarnings, format_log_line
 from lmpretrain.tracking import (
     REDACTED,
@@ -28,15 +37,6 @@ from lmpretrain.tracking import (
     resolve_wandb_mode,
     scrub_secrets,
     wandb_log_with,
-)
-from lmpretrain.wandb_offline import (
-    CorruptRunFile,
-    find_offline_runs,
-    iter_records,
-    load_table,
-    read_offline_history,
-    read_offline_run,
-    run_file,
 )
 
 WANDB_CLI = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "wandb"

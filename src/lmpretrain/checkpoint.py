@@ -30,7 +30,6 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
-import torch.distributed as dist
 from accelerate import PartialState
 from accelerate.utils import DistributedType
 from torch.distributed.checkpoint.state_dict import (
@@ -41,6 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lmpretrain.distributed import any_rank, broadcast_int
+from lmpretrain.errors import CheckpointError
 from lmpretrain.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -55,10 +56,6 @@ RANK_FILE = re.compile(r"^rank-(\d{5})\.pt$")
 _ALIASES_KEY = "lmpretrain.tied_aliases"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, found or loaded; the message says what to do."""
-
-
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
@@ -68,24 +65,6 @@ def step_dir_name(step: int) -> str:
 
 
 # ---- small helpers ---------------------------------------------------------------------------------
-
-
-def any_rank(flag: bool, state) -> bool:
-    """True on every rank when ``flag`` is True on any rank (all-reduce max; a no-op in one process)."""
-    if state.num_processes > 1 and dist.is_available() and dist.is_initialized():
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=state.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-    return bool(flag)
-
-
-def _broadcast_int(value: int, state) -> int:
-    """Rank 0's ``value`` on every rank, as a tensor broadcast (no pickling)."""
-    if state.num_processes > 1 and dist.is_available() and dist.is_initialized():
-        t = torch.tensor([value], dtype=torch.int64, device=state.device)
-        dist.broadcast(t, src=0)
-        return int(t.item())
-    return value
 
 
 def _fsync(path: Path) -> None:
@@ -389,7 +368,7 @@ class Checkpointer:
             except OSError as err:
                 error = err
             nonce = int.from_bytes(os.urandom(6), "little")
-        nonce = _broadcast_int(nonce, st)
+        nonce = broadcast_int(nonce, st)
         tmp = self.dir / f".tmp-{final.name}-{nonce:012x}"
         if st.is_main_process:
             error = self._try(error, tmp.mkdir)

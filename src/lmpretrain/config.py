@@ -15,16 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from lmpretrain.data.sources import DataError, SourceSpec
-
-
-class ConfigError(ValueError):
-    """A config problem the user has to fix; the message lists every problem found."""
-
-    def __init__(self, problems: list[str], source: str = "config"):
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{len(problems)} problem(s) in {source}:\n{lines}")
+from lmpretrain.data.sources import SourceSpec
+from lmpretrain.errors import ConfigError, DataError
 
 
 @dataclass
@@ -55,6 +47,9 @@ class ModelConfig:
     """Fields of that model config (hidden_size, num_hidden_layers, vocab_size, ...)."""
     pretrained: str | None = None
     """A local path or Hub id to continue pretraining from (from_pretrained); overrides still apply."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel passed to transformers: eager | sdpa | flash_attention_2 | flex_attention.
+    A kernel that cannot run here (package missing, no CUDA, model lacks it) is refused at start-up."""
 
 
 @dataclass
@@ -77,6 +72,11 @@ class DataConfig:
     """Per-epoch shard order + a window shuffle of packed blocks."""
     shuffle_window: int = 64
     """Blocks per shuffle window (also the most a restore re-reads)."""
+    document_masking: bool = False
+    """Attention never crosses a document boundary inside a packed block, and positions restart at
+    each document (block-causal mask, or flash-attention varlen through position_ids)."""
+    add_bos: bool | None = None
+    """BOS before each document; null = true when the tokenizer has a BOS token distinct from EOS."""
 
 
 @dataclass
@@ -99,6 +99,28 @@ class TrainConfig:
     """Cross-entropy label smoothing."""
     mask_cross_doc_targets: bool = False
     """Ignore (-100) each document's first token as a target: it cannot be predicted from the previous one."""
+    compile: bool = False
+    """torch.compile each transformer block (regional compilation); the compile time is logged once
+    as perf/compile_s."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (non-reentrant, RNG preserved): less memory,
+    about one extra forward."""
+    loss_impl: str = "full"
+    """full: logits of the whole micro-batch, then cross-entropy | chunked: cross-entropy from the final
+    hidden states in chunks of loss_chunk_tokens, never holding the full fp32 logits | liger: Liger's
+    fused linear cross-entropy (CUDA and the liger-kernel package)."""
+    loss_chunk_tokens: int = 2048
+    """Tokens per chunk of the chunked loss (peak logits memory = chunk x vocab x 4 bytes)."""
+    z_loss: float = 0.0
+    """Weight of the z-loss z_loss * mean(logsumexp(logits)^2) over target tokens (OLMo); 0 = off."""
+    max_skipped_steps: int = 10
+    """Stop (exit 2) after this many consecutive skipped updates (non-finite loss or gradient, spikes)."""
+    skip_spikes: bool = False
+    """Skip the update of a step whose loss exceeds mean + spike_sigma * std of the last spike_window steps."""
+    spike_sigma: float = 6.0
+    """Spike threshold in standard deviations of the recent losses (with skip_spikes)."""
+    spike_window: int = 100
+    """Steps of loss history the spike threshold is computed over (with skip_spikes; saved in checkpoints)."""
 
 
 @dataclass
@@ -116,6 +138,12 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    fused: bool = True
+    """torch's fused AdamW where the device supports it, else the foreach implementation (same math)."""
+    schedule: str = "cosine"
+    """cosine | wsd (warmup-stable-decay) | linear | constant, after the linear warmup."""
+    decay_fraction: float = 0.2
+    """wsd: the final fraction of train.max_steps that decays to optim.min_lr."""
 
 
 @dataclass
@@ -138,6 +166,11 @@ class CheckpointConfig:
     """Save every N steps (and at the end, and on SIGTERM/SIGINT); 0 = only at the end / on signal."""
     keep_last: int = 2
     """Checkpoints kept besides the best by eval loss."""
+    format: str = "auto"
+    """full: one file of whole weights and optimizer state | sharded: torch.distributed.checkpoint, each
+    rank writes its shards (resumes onto any process count) | auto: sharded under FSDP2, else full."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues (committed once complete)."""
 
 
 @dataclass
@@ -172,6 +205,10 @@ class Config:
 CHOICES = {
     "train.precision": ("no", "bf16", "fp16"),
     "train.param_dtype": ("float32", "float64"),
+    "train.loss_impl": ("full", "chunked", "liger"),
+    "model.attn_implementation": ("eager", "sdpa", "flash_attention_2", "flex_attention"),
+    "optim.schedule": ("cosine", "wsd", "linear", "constant"),
+    "checkpoint.format": ("auto", "full", "sharded"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
 }
 
@@ -343,6 +380,9 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         "eval.batch_size",
         "checkpoint.keep_last",
         "logging.every",
+        "train.loss_chunk_tokens",
+        "train.max_skipped_steps",
+        "train.spike_window",
     ):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 1:
@@ -356,6 +396,7 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         "optim.warmup_steps",
         "optim.weight_decay",
         "train.max_grad_norm",
+        "train.z_loss",
     ):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
@@ -370,6 +411,10 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append(f"optim.min_lr={o.min_lr} must be between 0 and optim.lr={o.lr}")
     if not 0 <= t.label_smoothing < 1:
         p.append("train.label_smoothing must be in [0, 1)")
+    if not 0 < o.decay_fraction <= 1:
+        p.append(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
+    if not t.spike_sigma > 0:
+        p.append("train.spike_sigma must be > 0")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append("optim.beta1 and optim.beta2 must be in [0, 1)")
     if d.num_streams % world_size:

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lmpretrain.errors import DataError
+
 logger = logging.getLogger(__name__)
 
 CORPUS_VERSION = 1
@@ -154,7 +156,7 @@ def ensure_stdlib_corpus(max_files: int | None = None) -> Path:
 def stdlib_split_files(split: str) -> list[str]:
     """The JSONL shards of one split ("train" or "validation") of the default corpus."""
     if split not in ("train", "validation"):
-        raise ValueError(f"python-stdlib has splits 'train' and 'validation', not {split!r}")
+        raise DataError(f"python-stdlib has splits 'train' and 'validation', not {split!r}")
     return [str(p) for p in sorted(ensure_stdlib_corpus().glob(f"{split}-*.jsonl"))]
 
 

@@ -1,15 +1,11 @@
 """What a run depends on (data, tokenizer, model, world size, batch) and the resume check against a
 checkpoint's copy: differences are refused, naming each, unless explicitly allowed."""
 
-from lmpretrain.checkpoint import CheckpointError
+from lmpretrain.errors import CheckpointMismatchError
 
 OVERRIDE_FLAG = "--run.allow_mismatch=true"
 # Resuming with a different number of dataloader workers is exact (streams, not workers, hold positions).
 SILENT_FINGERPRINT_KEYS = {"num_workers", "data.num_workers"}
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint was written by a run whose fingerprint differs from this one."""
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from lmpretrain.config import ConfigError
+from lmpretrain.errors import ConfigError
 
 
 def build_model_config(model_cfg) -> PretrainedConfig:

@@ -12,11 +12,9 @@ import contextlib
 
 import torch
 
+from lmpretrain.errors import PrecisionUnavailableError
+
 DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class PrecisionUnavailableError(RuntimeError):
-    pass
 
 
 class MixedPrecision:

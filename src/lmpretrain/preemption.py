@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 
-from lmpretrain.checkpoint import any_rank
+from lmpretrain.distributed import any_rank
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -19,13 +19,11 @@ import yaml
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs, set_seed
 
+from lmpretrain.errors import LaunchError
+
 # The DeepSpeed ZeRO stages this recipe runs: parameters stay whole on every rank, so checkpoints and
 # exports read them directly. Stage 3 shards parameters too; use FSDP (configs/accelerate/fsdp.yaml) for that.
 DEEPSPEED_STAGES = (1, 2)
-
-
-class LaunchError(RuntimeError):
-    """The processes that started are not the ones that were asked for."""
 
 
 @dataclass
@@ -244,15 +242,3 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def replica_digests(model, accelerator: Accelerator) -> list[str]:
-    """sha256 of this rank's parameters, gathered from every rank (replicas must agree bit for bit)."""
-    import hashlib
-
-    from accelerate.utils import gather_object
-
-    digest = hashlib.sha256()
-    for param in accelerator.unwrap_model(model).parameters():
-        digest.update(param.detach().float().cpu().numpy().tobytes())
-    return gather_object([digest.hexdigest()[:16]])

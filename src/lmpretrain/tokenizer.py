@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from lmpretrain.corpus import build_once, cache_root, ensure_stdlib_corpus, python_tag
+from lmpretrain.errors import TokenizerError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 BUILTIN_PREFIX = "builtin:"
@@ -55,7 +56,7 @@ def _stdlib_texts(max_bytes: int) -> Iterator[str]:
 def ensure_builtin_tokenizer(name: str = "python-stdlib") -> Path:
     """Folder of a builtin tokenizer, trained on the builtin corpus' train split on first use (cached)."""
     if name not in BUILTIN_TOKENIZERS:
-        raise ValueError(
+        raise TokenizerError(
             f"unknown builtin tokenizer {name!r}; available: "
             + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_TOKENIZERS)
         )
@@ -70,7 +71,7 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
         path = str(ensure_builtin_tokenizer(spec[len(BUILTIN_PREFIX) :]))
     else:
         if spec.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(spec)):
-            raise ValueError(
+            raise TokenizerError(
                 f"tokenizer folder {spec!r} does not exist; train one with scripts/train_tokenizer.py "
                 "or use builtin:python-stdlib"
             )
@@ -79,9 +80,11 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:
         where = "local folder" if os.path.isdir(path) else "Hub id (not a local folder; is the network up?)"
-        raise ValueError(f"could not load tokenizer {spec!r} as a {where}: {type(e).__name__}: {e}") from e
+        raise TokenizerError(
+            f"could not load tokenizer {spec!r} as a {where}: {type(e).__name__}: {e}"
+        ) from e
     if tokenizer.eos_token_id is None:
-        raise ValueError(
+        raise TokenizerError(
             f"tokenizer {spec!r} has no EOS token; the data packer needs one to separate documents. "
             "Set `eos_token` in its tokenizer_config.json or train one with scripts/train_tokenizer.py"
         )

@@ -31,7 +31,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from lmpretrain.console import as_scalar
-from lmpretrain.wandb_offline import wait_until_complete
 
 logger = logging.getLogger(__name__)
 
@@ -441,16 +440,12 @@ class Tracker:
             self._metrics_file.close()
         if self._run is not None:
             tracker = self.accelerator.get_tracker("wandb")
-            sync_file = self._run.settings.sync_file
             try:
                 self._run.finish(exit_code=exit_code)
             except Exception as err:  # noqa: BLE001 - the service may be gone (signalled with the job)
                 logger.warning(
                     "W&B finish failed (%s: %s); %s is complete", type(err).__name__, err, self.metrics_path
                 )
-            else:
-                if self.mode == "offline" and not wait_until_complete(sync_file):
-                    logger.warning("W&B: %s is still incomplete 30 s after finish()", sync_file)
             # accelerator.end_training() would finish it again; it is done.
             self.accelerator.trackers.remove(tracker)
             self._run = None

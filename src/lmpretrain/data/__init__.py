@@ -1,10 +1,9 @@
 """Streamed, tokenized, packed training data with an exact resumable position per virtual stream."""
 
 from lmpretrain.data.loader import StepRows, TrainStream, heldout_blocks, merge_stream_states, rows_per_stream
-from lmpretrain.data.sources import DataError, Source, SourceSpec, expand_files, open_source
+from lmpretrain.data.sources import Source, SourceSpec, expand_files, open_source
 
 __all__ = [
-    "DataError",
     "Source",
     "SourceSpec",
     "StepRows",

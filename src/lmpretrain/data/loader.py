@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lmpretrain.data.sources import DataError, Source, SourceSpec, as_spec, open_source, read_tokens_meta
+from lmpretrain.data.sources import Source, SourceSpec, as_spec, open_source, read_tokens_meta
 from lmpretrain.data.stream import Encoder, StreamReader, shard_plan
+from lmpretrain.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def _identity(item):
 
 def _open_all(sources: list[SourceSpec | dict], tokenizer) -> tuple[list[SourceSpec], list[Source], Encoder]:
     if not sources:
-        raise DataError("no data sources given (data.sources is empty)")
+        raise DataError("no data sources given (data.train or data.eval is empty)")
     specs = [as_spec(s) for s in sources]
     encoder = Encoder(tokenizer)  # checks EOS before reading any data
     opened = [open_source(s) for s in specs]

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lmpretrain.errors import DataError
+
 logger = logging.getLogger(__name__)
 
 TOKENS_FIELD = "input_ids"  # column of pre-tokenized parquet shards (scripts/prepare_data.py)
@@ -28,10 +30,6 @@ _EXT_FORMATS = {
     ".jsonl.gz": "json",
     ".parquet": "parquet",
 }
-
-
-class DataError(ValueError):
-    """Bad data configuration or input; the message names the file/field and the fix."""
 
 
 @dataclass

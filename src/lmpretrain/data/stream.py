@@ -14,7 +14,8 @@ from collections import deque
 
 import numpy as np
 
-from lmpretrain.data.sources import DataError, Source
+from lmpretrain.data.sources import Source
+from lmpretrain.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ class StreamReader:
         if len(state["sources"]) != len(self.cursors):
             raise DataError(
                 f"data state has {len(state['sources'])} sources but the config has {len(self.cursors)}; "
-                "resume with the same data.sources"
+                "resume with the same data.train sources"
             )
         self.mix = int(state["mix"])
         for cursor, position in zip(self.cursors, state["sources"], strict=True):

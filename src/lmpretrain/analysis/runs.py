@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmpretrain.analysis.wandb_offline import read_offline_history
 from lmpretrain.tracking import read_jsonl
-from lmpretrain.wandb_offline import read_offline_history
 
 LOSS_KEY = "train/loss"
 EVAL_KEY = "eval/loss"

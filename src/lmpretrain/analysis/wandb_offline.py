@@ -100,7 +100,8 @@ def wait_until_complete(path: str | Path, timeout: float = 30.0) -> bool:
     """Wait until a ``.wandb`` file holds its exit record and no torn tail; False on timeout.
 
     wandb 0.31's ``run.finish()`` in offline mode can return while ``wandb-core`` is still writing
-    the last block of the file (observed here: reads right after finish saw ~85% of the records).
+    the last block of the file (observed here: reads right after finish saw ~85% of the records), so
+    readers wait here rather than the training process at its exit.
     """
     from wandb.proto import wandb_internal_pb2
 
@@ -188,8 +189,11 @@ def read_offline_run(run_dir: str | Path) -> dict:
     Config: values as logged (nested dicts stay nested; W&B's internal ``_wandb`` key dropped).
     History: one dict per logged step, nested values flattened to ``"a.b"`` keys (a Table appears as
     ``"<key>._type": "table-file"``, ``"<key>.path"``, ... -- see :func:`load_table`).
+    A file W&B is still writing (its exit record not yet there) is waited for, up to 30 s.
     """
     path = run_file(run_dir)
+    if not wait_until_complete(path):
+        logger.warning("%s has no exit record after 30 s; reading what is there", path)
     run: dict[str, Any] = {
         "id": None,
         "name": None,

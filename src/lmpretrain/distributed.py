@@ -1,0 +1,41 @@
+"""The few small collectives the parts share. Each is a no-op in a single process, and every rank
+must call it (a rank that skips one leaves the others waiting forever)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+
+def _group_active(state) -> bool:
+    return state.num_processes > 1 and dist.is_available() and dist.is_initialized()
+
+
+def any_rank(flag: bool, state) -> bool:
+    """True on every rank when ``flag`` is True on any rank (all-reduce max)."""
+    if not _group_active(state):
+        return bool(flag)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=state.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def broadcast_int(value: int, state) -> int:
+    """Rank 0's ``value`` on every rank, as a tensor broadcast (no pickling)."""
+    if not _group_active(state):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=state.device)
+    dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+def replica_digests(model, accelerator) -> list[str]:
+    """sha256 of this rank's parameters, gathered from every rank (replicas must agree bit for bit)."""
+    from accelerate.utils import gather_object
+
+    digest = hashlib.sha256()
+    for param in accelerator.unwrap_model(model).parameters():
+        digest.update(param.detach().float().cpu().numpy().tobytes())
+    return gather_object([digest.hexdigest()[:16]])

@@ -1,0 +1,96 @@
+"""Any transformers causal LM: tiny configs of ten model types the pinned transformers ships (one a
+mixture of experts) each train 3 steps with the recipe, export, reload with the Auto classes and
+generate; FLOPs per token come from the formula, torch's FLOP counter or 6N + attention, as logged."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import recipe_runner as rr
+
+TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64}
+LLAMA_LIKE = {**TINY, "intermediate_size": 64, "num_key_value_heads": 2}
+MODEL_TYPES = {
+    "llama": LLAMA_LIKE,
+    "gpt2": {"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64},
+    "qwen2": LLAMA_LIKE,
+    "mistral": LLAMA_LIKE,
+    "gemma": {**LLAMA_LIKE, "head_dim": 8},
+    "olmo2": LLAMA_LIKE,
+    "phi3": LLAMA_LIKE,
+    "gpt_neox": {**TINY, "intermediate_size": 64},
+    "starcoder2": LLAMA_LIKE,
+    "mixtral": {**LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2},
+}
+# Where FLOPs per token come from: the hand formula where there is one, else torch's FLOP counter on
+# the meta device, which cannot count a mixture of experts' grouped matmuls (6N + attention then).
+FLOPS_SOURCE = {
+    **dict.fromkeys(["llama", "gpt2", "qwen2", "mistral", "gemma", "olmo2"], "architecture formula"),
+    **dict.fromkeys(["phi3", "gpt_neox", "starcoder2"], "torch FLOP counter on the meta device"),
+    "mixtral": "6N + attention from the parameters",
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, stdlib_cache):
+    """One process trains every type in turn (3 steps, micro-batch 4, 32-token blocks, eval at the end)."""
+    tmp = tmp_path_factory.mktemp("types")
+    smoke = yaml.safe_load(rr.SMOKE.read_text())
+    arg_lists = []
+    for model_type, overrides in MODEL_TYPES.items():
+        config = {
+            **smoke,
+            "model": {"type": model_type, "overrides": {**overrides, "vocab_size": 8192}},
+            "train": {**smoke["train"], "max_steps": 3, "grad_accum_steps": 1},
+            "optim": {**smoke["optim"], "warmup_steps": 1},
+            "data": {**smoke["data"], "seq_len": 32},
+            "eval": {**smoke["eval"], "every": 0, "batches": 1, "batch_size": 4, "sample_tokens": 0},
+            "checkpoint": {**smoke["checkpoint"], "every": 0},
+            "logging": {**smoke["logging"], "wandb_mode": "disabled"},
+        }
+        path = tmp / f"{model_type}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        arg_lists.append(json.dumps([str(path), f"--run.output_dir={tmp / model_type}"]))
+    proc = subprocess.run(
+        [sys.executable, str(rr.ROOT / "tests" / "run_in_one_process.py"), *arg_lists],
+        env=rr.env_for_runs(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    outputs = proc.stdout.split("=== run ")[1:]
+    assert len(outputs) == len(MODEL_TYPES), proc.stdout[-3000:]
+    return {t: (tmp / t, out) for t, out in zip(MODEL_TYPES, outputs, strict=True)}
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_trains_exports_and_generates(runs, model_type):
+    out, log = runs[model_type]
+    assert f"=== ok {list(MODEL_TYPES).index(model_type)}" in log, log[-3000:]
+    rows = [r for r in rr.read_metrics(out) if "train/loss" in r]
+    losses = [r["train/loss"] for r in rows]
+    assert len(losses) == 3 and losses[0] == pytest.approx(math.log(8192), abs=0.3), losses
+    assert losses[2] < losses[0], losses  # it learns
+    assert all(r["perf/mfu"] > 0 for r in rows)
+    assert "training FLOPs per token: " in log and f"({FLOPS_SOURCE[model_type]})" in log
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    assert model.config.model_type == model_type
+    # special tokens are the tokenizer's, in the model config and the generation config alike
+    ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == ids
+    gen = model.generation_config
+    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == ids
+    prompt = tokenizer("def main():", return_tensors="pt")
+    with torch.no_grad():
+        generated = model.generate(**prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert generated.shape[1] == prompt.input_ids.shape[1] + 6
+    assert isinstance(tokenizer.decode(generated[0]), str)

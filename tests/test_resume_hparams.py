@@ -64,7 +64,8 @@ def resumed(base):
     logs = proc.stdout.split("=== run ")[1:]
     assert len(logs) == len(RESUMES) and all(f"=== ok {i}" in log for i, log in enumerate(logs)), proc.stdout
     return {
-        name: (rr.Run(base.out.parent / name, 0, log), cfg) for (name, cfg), log in zip(args.items(), logs)
+        name: (rr.Run(base.out.parent / name, 0, log), cfg)
+        for (name, cfg), log in zip(args.items(), logs, strict=True)
     }
 
 

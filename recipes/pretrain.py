@@ -1,6 +1,6 @@
 """Pretrain a transformers causal LM.
 
-    accelerate launch recipes/pretrain.py configs/smoke.yaml [--section.field=value ...]
+    python -m lmpretrain.launch recipes/pretrain.py configs/smoke.yaml [--section.field=value ...]
 
 This file is the training loop, top to bottom; fork it for a new model or objective. The parts it
 calls live in src/lmpretrain/. Per optimizer step: load one global batch, then for each of the
@@ -255,7 +255,7 @@ def train(cfg, cleanup: ExitStack) -> None:
         grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))  # 5. clip
         # A non-finite loss or gradient (or a loss spike) skips the update: no weight or moment changes
         # and the schedule waits. DeepSpeed's engine makes the same non-finite check inside backward.
-        skipped = guard.check(train_loss, grad_norm, precision.loss_scale)
+        skipped = guard.check(train_loss, grad_norm, precision.backs_off_overflows)
         # 6. update (DeepSpeed already stepped, or skipped, in backward: its step() is a no-op)
         stepped = precision.step(optimizer, skip=skipped is not None) and not optimizer.step_was_skipped
         optimizer.zero_grad(set_to_none=True)

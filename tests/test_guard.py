@@ -25,9 +25,8 @@ def test_why_a_step_is_skipped():
     assert g.check(3.0, 1.0) is None
     assert g.check(NAN, 1.0) == g.check(INF, 1.0) == NONFINITE
     assert g.check(3.0, NAN) == g.check(3.0, INF) == NONFINITE  # no loss scaling: divergence
-    assert g.check(3.0, INF, loss_scale=65536.0) == OVERFLOW  # the fp16 scaler's to handle
-    assert g.check(3.0, INF, loss_scale=0.5) == NONFINITE  # beyond fp16 at its true size
-    assert g.check(NAN, INF, loss_scale=65536.0) == NONFINITE
+    assert g.check(3.0, INF, scaler_backs_off=True) == OVERFLOW  # the fp16 scaler's to handle
+    assert g.check(NAN, INF, scaler_backs_off=True) == NONFINITE
     for loss in (3.0, 3.1):  # half a window (2 losses) before any spike is judged
         assert g.check(50.0, 1.0) is None
         g.record(1, loss, 1.0, None)
@@ -138,7 +137,7 @@ def test_a_skipped_update_changes_no_weight_or_moment_and_the_scaler_still_backs
         mp.scale(loss * poison).backward()  # poison: inf/nan gradients with a finite loss
         mp.unscale_(opt)
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))
-        skipped = g.check(loss.item(), norm, mp.loss_scale) or (SPIKE if force_skip else None)
+        skipped = g.check(loss.item(), norm, mp.backs_off_overflows) or (SPIKE if force_skip else None)
         stepped = mp.step(opt, skip=skipped is not None)
         opt.zero_grad(set_to_none=True)
         return skipped, stepped
@@ -156,3 +155,18 @@ def test_a_skipped_update_changes_no_weight_or_moment_and_the_scaler_still_backs
     if precision == "fp16":
         assert mp.loss_scale == scale / 2 and mp.scaler._get_growth_tracker() == tracker + 1
     assert step() == (None, True) and not _same(before, _snapshot(model, opt))
+
+
+def test_which_loss_scalers_back_off_overflows():
+    cpu = torch.device("cpu")
+    assert not MixedPrecision("no", cpu).backs_off_overflows
+    assert not MixedPrecision("bf16", cpu).backs_off_overflows
+    assert MixedPrecision("fp16", cpu, engine=True).backs_off_overflows  # DeepSpeed's own scaler
+    mp = MixedPrecision("fp16", cpu, init_scale=1.0)
+    assert mp.backs_off_overflows
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    mp.scale(p.sum() * INF).backward()
+    mp.unscale_(opt)
+    assert not mp.step(opt) and mp.loss_scale == 0.5
+    assert not mp.backs_off_overflows  # below 1, inf gradients are beyond fp16 at their true size

@@ -29,6 +29,7 @@ TRAIN_KEYS = {
     "perf/data_wait_frac",
     "perf/mfu",
     "perf/peak_mem_bytes",
+    "train/skipped_steps",
 }
 
 

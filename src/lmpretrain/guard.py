@@ -68,17 +68,16 @@ class UpdateGuard:
         self.window = LossWindow(train_cfg.spike_window, min_count=max(2, train_cfg.spike_window // 2))
         self.consecutive = 0
 
-    def check(self, loss: float, grad_norm: float, loss_scale: float | None = None) -> str | None:
+    def check(self, loss: float, grad_norm: float, scaler_backs_off: bool = False) -> str | None:
         """Why this step's update must be skipped (NONFINITE, OVERFLOW or SPIKE), or None to apply it.
 
-        `loss_scale`: the fp16 loss scale before this step, None without loss scaling. While it is >= 1,
-        an inf/NaN gradient with a finite loss is the scaler's to handle; below 1 the gradient itself
-        is beyond fp16's range, which is divergence.
+        `scaler_backs_off`: an fp16 loss scaler will halve its scale after inf/NaN gradients
+        (MixedPrecision.backs_off_overflows); such gradients with a finite loss are then its business.
         """
         if not math.isfinite(loss):
             return NONFINITE
         if not math.isfinite(grad_norm):
-            return OVERFLOW if loss_scale is not None and loss_scale >= 1 else NONFINITE
+            return OVERFLOW if scaler_backs_off else NONFINITE
         if self.sigma is not None and self.window.is_spike(loss, self.sigma):
             return SPIKE
         return None

@@ -94,6 +94,13 @@ class MixedPrecision:
         return not skip and self.scaler.get_scale() >= before
 
     @property
+    def backs_off_overflows(self) -> bool:
+        """Whether an fp16 loss scaler answers inf/NaN gradients by halving its scale: ours while the
+        scale is >= 1 (below it gradients overflow at their true size), DeepSpeed's always (it stops the
+        run itself at its minimum scale)."""
+        return self.precision == "fp16" and (self.engine or self.scaler.get_scale() >= 1)
+
+    @property
     def loss_scale(self) -> float | None:
         return self.scaler.get_scale() if self.scaler else None
 

@@ -79,7 +79,9 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:
-        reason = f"{type(e).__name__}: {e}".strip().splitlines()[0].rstrip(".")  # its first line says what failed
+        reason = (
+            f"{type(e).__name__}: {e}".strip().splitlines()[0].rstrip(".")
+        )  # its first line says what failed
         if os.path.isdir(path):
             raise TokenizerError(
                 f"data.tokenizer: folder {spec!r} holds no loadable tokenizer (tokenizer.json + "

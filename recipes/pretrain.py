@@ -118,7 +118,11 @@ def train(cfg, cleanup: ExitStack) -> None:
     }
 
     flops, flops_source = flops_per_token(model_config, cfg.data.seq_len)  # None: not countable
-    say(f"[lmpretrain] training FLOPs per token: {flops or 0:.4g} ({flops_source})")
+    say(
+        f"[lmpretrain] training FLOPs per token: {flops:.4g} ({flops_source})"
+        if flops
+        else f"[lmpretrain] WARNING: {flops_source}"
+    )
     peak, peak_source = peak_flops(accelerator.device, precision.dtype or torch.float32)
 
     # ---- Resume: weights, moments, schedule, scaler, RNG, data position, counters ---------------

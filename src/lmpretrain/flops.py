@@ -178,12 +178,15 @@ def flops_per_token(model_config: Any, seq_len: int) -> tuple[float | None, str]
         try:
             value = float(method(model_config, seq_len))
         except Exception as err:  # noqa: BLE001 - any failure here means: try the next way
-            failures.append(f"{source}: {type(err).__name__}: {err}")
+            first_line = (str(err).splitlines() or [""])[0]
+            failures.append(f"{source}: {type(err).__name__}: {first_line[:160]}")
             continue
         if value > 0:
             return value, source
         failures.append(f"{source}: counted {value}")
-    return None, "not counted, no MFU is logged (" + "; ".join(failures) + ")"
+    return None, "could not count training FLOPs per token, so perf/mfu is not logged (" + "; ".join(
+        failures
+    ) + ")"
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ def assert_ends_on(run: rr.Run, message: str) -> list[str]:
     tail = run.output.rstrip("\n")
     start = tail.rfind("error: ")
     assert start >= 0 and tail.count("error: ") == 1, run.output[-3000:]
+    assert start == 0 or tail[start - 1] == "\n"  # on its own line: no progress bar left open before it
     assert tail[start:].startswith(f"error: {message}"), tail[start:]
     return tail[:start].splitlines()
 

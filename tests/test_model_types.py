@@ -14,6 +14,8 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import recipe_runner as rr
+from lmpretrain.config import ModelConfig, load_config, model_problems
+from lmpretrain.model import build_model, build_model_config
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64}
 LLAMA_LIKE = {**TINY, "intermediate_size": 64, "num_key_value_heads": 2}
@@ -103,3 +105,40 @@ def test_trains_exports_and_generates(runs, model_type):
         generated = model.generate(**prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
     assert generated.shape[1] == prompt.input_ids.shape[1] + 6
     assert isinstance(tokenizer.decode(generated[0]), str)
+
+
+def test_a_model_built_from_a_config_takes_the_tokenizers_special_tokens(small_tokenizer, tmp_path):
+    """phi3's defaults (eos = pad = 32000) are another tokenizer's ids, outside this 320-token vocabulary."""
+    ours = (small_tokenizer.bos_token_id, small_tokenizer.eos_token_id, small_tokenizer.pad_token_id)
+    shape = {"vocab_size": 320, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+
+    def ids(config):
+        return config.bos_token_id, config.eos_token_id, config.pad_token_id
+
+    assert ids(build_model_config(ModelConfig(type="phi3", overrides=shape))) == (1, 32000, 32000)
+    config = build_model_config(ModelConfig(type="phi3", overrides=shape), small_tokenizer)
+    assert ids(config) == ours == (0, 1, 2)
+    model = build_model(config)
+    gen = model.generation_config
+    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == ours
+    assert model.get_input_embeddings().padding_idx == 2
+    overridden = build_model_config(
+        ModelConfig(type="phi3", overrides={**shape, "eos_token_id": 3}), small_tokenizer
+    )
+    assert ids(overridden) == (0, 3, 2)  # model.overrides still wins
+    model.config.bos_token_id = 7  # a pretrained model keeps its own ids
+    model.save_pretrained(tmp_path / "pretrained")
+    assert (
+        build_model_config(ModelConfig(pretrained=str(tmp_path / "pretrained")), small_tokenizer).bos_token_id
+        == 7
+    )
+
+
+def test_the_router_loss_of_a_mixture_of_experts_is_refused_not_dropped(small_tokenizer):
+    cfg = load_config([str(rr.SMOKE), "--model.type=mixtral"])
+    cfg.model.overrides = {"output_router_logits": True, "vocab_size": 8192}
+    problems = model_problems(cfg, build_model_config(cfg.model, small_tokenizer), small_tokenizer)
+    assert problems == [
+        "model.overrides.output_router_logits=true asks for the router's load-balancing loss, which the "
+        "recipe's loss (the language-model loss only) would silently leave out; set it to false"
+    ]

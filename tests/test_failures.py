@@ -4,8 +4,6 @@ non-finite weights and stops with exit 2; every user error ends on its one messa
 """
 
 import json
-import subprocess
-import sys
 
 import torch
 from safetensors.torch import load_file
@@ -13,21 +11,9 @@ from safetensors.torch import load_file
 import recipe_runner as rr
 
 
-def launch(out_dir, *overrides, launch="cpu", timeout=600) -> rr.Run:
+def launch(out_dir, *overrides, launch="cpu") -> rr.Run:
     """The recipe through `python -m lmpretrain.launch --config_file configs/accelerate/<launch>.yaml`."""
-    cmd = rr.command(out_dir, *overrides, launch=launch)
-    assert cmd[:2] == [str(rr.ACCELERATE), "launch"]
-    cmd[:2] = [sys.executable, "-m", "lmpretrain.launch"]
-    proc = subprocess.run(
-        cmd,
-        cwd=rr.ROOT,
-        env=rr.env_for_runs(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
-    return rr.Run(out_dir, proc.returncode, proc.stdout)
+    return rr.run(out_dir, *overrides, launch=launch, launcher=rr.LAUNCHER, check=False)
 
 
 def assert_ends_on(run: rr.Run, message: str) -> list[str]:

@@ -3,10 +3,7 @@ mixture of experts, a state-space model and an RNN among them) each train 3 step
 export, reload with the Auto classes and generate. FLOPs per token come from the formula, torch's
 FLOP counter or 6N + attention, as logged; a model nothing can count (rwkv) trains without perf/mfu."""
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -63,24 +60,14 @@ def runs(tmp_path_factory, stdlib_cache):
         }
         path = tmp / f"{model_type}.yaml"
         path.write_text(yaml.safe_dump(config))
-        arg_lists.append(json.dumps([str(path), f"--run.output_dir={tmp / model_type}"]))
-    proc = subprocess.run(
-        [sys.executable, str(rr.ROOT / "tests" / "run_in_one_process.py"), *arg_lists],
-        env=rr.env_for_runs(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
-    outputs = proc.stdout.split("=== run ")[1:]
-    assert len(outputs) == len(MODEL_TYPES), proc.stdout[-3000:]
+        arg_lists.append([str(path), f"--run.output_dir={tmp / model_type}"])
+    outputs = rr.run_in_one_process(arg_lists)
     return {t: (tmp / t, out) for t, out in zip(MODEL_TYPES, outputs, strict=True)}
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_trains_exports_and_generates(runs, model_type):
     out, log = runs[model_type]
-    assert f"=== ok {list(MODEL_TYPES).index(model_type)}" in log, log[-3000:]
     rows = [r for r in rr.read_metrics(out) if "train/loss" in r]
     losses = [r["train/loss"] for r in rows]
     assert len(losses) == 3 and losses[0] == pytest.approx(math.log(8192), abs=0.3), losses

@@ -7,8 +7,6 @@ process (tests/run_in_one_process.py) to save three interpreter start-ups.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -53,16 +51,7 @@ def resumed(base):
         + [f"--run.output_dir={base.out.parent / name}"]
         for name, (step, extra) in RESUMES.items()
     }
-    proc = subprocess.run(
-        [sys.executable, str(rr.ROOT / "tests" / "run_in_one_process.py"), *map(json.dumps, args.values())],
-        env=rr.env_for_runs(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
-    logs = proc.stdout.split("=== run ")[1:]
-    assert len(logs) == len(RESUMES) and all(f"=== ok {i}" in log for i, log in enumerate(logs)), proc.stdout
+    logs = rr.run_in_one_process(list(args.values()))
     return {
         name: (rr.Run(base.out.parent / name, 0, log), cfg)
         for (name, cfg), log in zip(args.items(), logs, strict=True)

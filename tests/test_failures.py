@@ -11,9 +11,11 @@ from safetensors.torch import load_file
 import recipe_runner as rr
 
 
-def launch(out_dir, *overrides, launch="cpu") -> rr.Run:
+def launch(out_dir, *overrides, launch="cpu", launch_args=()) -> rr.Run:
     """The recipe through `python -m lmpretrain.launch --config_file configs/accelerate/<launch>.yaml`."""
-    return rr.run(out_dir, *overrides, launch=launch, launcher=rr.LAUNCHER, check=False)
+    return rr.run(
+        out_dir, *overrides, launch=launch, launch_args=launch_args, launcher=rr.LAUNCHER, check=False
+    )
 
 
 def assert_ends_on(run: rr.Run, message: str) -> list[str]:
@@ -64,7 +66,7 @@ def test_divergence_is_skipped_never_saved_and_stops_with_one_message(tmp_path):
 
 
 def test_config_error_through_the_launcher_ends_on_the_message(tmp_path):
-    run = launch(tmp_path / "bad", "--train.max_step=5")
+    run = launch(tmp_path / "bad", "--train.max_step=5", launch_args=["--quiet"])  # accelerate's flag too
     assert_ends_on(run, "1 problem(s) in ")
     assert run.output.rstrip().endswith("unknown key 'train.max_step'; did you mean 'max_steps'?")
     assert not (tmp_path / "bad").exists()

@@ -47,7 +47,7 @@ def _read_message(path: str) -> str | None:
             message = json.load(f).get("message")
     except (OSError, ValueError, AttributeError):
         return None
-    return message if isinstance(message, str) else None
+    return message if isinstance(message, str) and message.startswith("error: ") else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             launch_command(args)
             return
-        except subprocess.CalledProcessError as err:
-            message = _read_message(error_file) if err.returncode == code else None
+        except (subprocess.CalledProcessError, SystemExit):  # one process (SystemExit: with --quiet)
+            message = _read_message(error_file)
             if message is None:
                 raise
         except ChildFailedError as err:

@@ -140,6 +140,8 @@ def train(cfg, cleanup: ExitStack) -> None:
         guard.load_state_dict(saved.get("guard"))
         state = TrainState.from_dict(saved)
         say(f"[lmpretrain] resumed from {resume_from} at step {state.step}")
+        if resume_from.parent.parent.resolve() != out.resolve():  # a branch into another output dir
+            state.wandb_run_id = None  # (e.g. an anneal) is a W&B run of its own, not the original's
         apply_hyperparameters(optimizer, cfg.optim)  # the current config's, not the checkpoint's
         changes = hyperparameter_changes(saved["config"], cfg, state.step, state.step - state.skipped_steps)
         if changes:

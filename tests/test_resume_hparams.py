@@ -24,7 +24,7 @@ BASE = [
     "--checkpoint.every=8",
     "--checkpoint.keep_last=5",
     "--eval.every=0",
-    "--logging.wandb_mode=disabled",
+    "--logging.wandb_mode=offline",
 ]
 RESUMES = {
     "exact": (16, []),
@@ -132,3 +132,9 @@ def test_anneal_a_wsd_run_from_its_stable_phase(base, resumed):
     assert rows[1]["train/lr"] == pytest.approx(3e-4 + (3e-3 - 3e-4) * (1 - 0.5**0.5), rel=1e-12)
     assert_lr_follows_the_schedule(rows, load_config(args), 0)
     assert "done: step 10" in run.output
+    # a branch into its own output dir is a W&B run of its own (the base run's steps 9-10 stay as they were)
+    ids = [
+        json.loads((checkpoint(r.out, step) / "trainer_state.json").read_text())["wandb_run_id"]
+        for r, step in ((base, 8), (run, 10))
+    ]
+    assert None not in ids and ids[0] != ids[1]

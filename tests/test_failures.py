@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 import recipe_runner as rr
 
 
-def launch(out_dir, *overrides, launch="cpu", launch_args=()) -> rr.Run:
+def via_launcher(out_dir, *overrides, launch="cpu", launch_args=()) -> rr.Run:
     """The recipe through `python -m lmpretrain.launch --config_file configs/accelerate/<launch>.yaml`."""
     return rr.run(
         out_dir, *overrides, launch=launch, launch_args=launch_args, launcher=rr.LAUNCHER, check=False
@@ -32,7 +32,7 @@ def assert_ends_on(run: rr.Run, message: str) -> list[str]:
 
 def test_divergence_is_skipped_never_saved_and_stops_with_one_message(tmp_path):
     """The issue's reproduction (lr 1e4, no clipping, a checkpoint every step) on two DDP processes."""
-    run = launch(
+    run = via_launcher(
         tmp_path / "diverged",
         "--optim.lr=1e4",
         "--train.max_grad_norm=0",
@@ -66,13 +66,15 @@ def test_divergence_is_skipped_never_saved_and_stops_with_one_message(tmp_path):
 
 
 def test_config_error_through_the_launcher_ends_on_the_message(tmp_path):
-    run = launch(tmp_path / "bad", "--train.max_step=5", launch_args=["--quiet"])  # accelerate's flag too
+    run = via_launcher(
+        tmp_path / "bad", "--train.max_step=5", launch_args=["--quiet"]
+    )  # accelerate's flag too
     assert_ends_on(run, "1 problem(s) in ")
     assert run.output.rstrip().endswith("unknown key 'train.max_step'; did you mean 'max_steps'?")
     assert not (tmp_path / "bad").exists()
 
 
 def test_missing_tokenizer_folder_ends_on_the_message(tmp_path):
-    run = launch(tmp_path / "run", "--data.tokenizer=tokenizers/mine")
+    run = via_launcher(tmp_path / "run", "--data.tokenizer=tokenizers/mine")
     assert_ends_on(run, "data.tokenizer: 'tokenizers/mine' is neither a local folder (there is no directory ")
     assert "use builtin:python-stdlib" in run.output.splitlines()[-1]

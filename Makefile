@@ -19,12 +19,13 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 # Offline: the default corpus (Python's standard library source) and tokenizer are built locally.
+# `python -m lmpretrain.launch` = `accelerate launch`, except that a user error ends on its message (exit 2).
 pretrain: setup
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/accelerate launch --config_file configs/accelerate/cpu.yaml \
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m lmpretrain.launch --config_file configs/accelerate/cpu.yaml \
 		recipes/pretrain.py configs/default.yaml --logging.wandb_mode=offline $(ARGS)
 
 smoke: setup
-	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file configs/accelerate/cpu.yaml \
+	HF_HUB_OFFLINE=1 $(BIN)/python -m lmpretrain.launch --config_file configs/accelerate/cpu.yaml \
 		recipes/pretrain.py configs/smoke.yaml $(ARGS)
 
 test: setup

@@ -1,13 +1,14 @@
 """Pretrain a transformers causal LM.
 
-    accelerate launch recipes/pretrain.py configs/smoke.yaml [--section.field=value ...]
+    python -m lmpretrain.launch recipes/pretrain.py configs/smoke.yaml [--section.field=value ...]
 
 This file is the training loop, top to bottom; fork it for a new model or objective. The parts it
 calls live in src/lmpretrain/. Per optimizer step: load one global batch, then for each of the
 grad_accum_steps micro-batches forward (autocast) and backward a loss normalised by the number of
 target tokens in the whole global batch; gradients sync on the last micro-batch; unscale, clip,
-step (skipped on fp16 overflow, and then the schedule does not advance); log; evaluate every
-eval.every steps; checkpoint every checkpoint.every steps or when asked to stop. Under DeepSpeed the
+step (skipped when the loss or gradient norm is not finite, fp16 overflows included, or the loss
+spikes with train.skip_spikes; the schedule then does not advance); log; evaluate every eval.every
+steps; checkpoint every checkpoint.every steps or when asked to stop. Under DeepSpeed the
 engine does unscale, clip and step inside the last micro-batch's backward; the loop reads the same.
 """
 
@@ -30,13 +31,16 @@ from lmpretrain.distributed import replica_digests
 from lmpretrain.errors import ConfigError, UserError
 from lmpretrain.evaluation import evaluate, generate_sample
 from lmpretrain.fingerprint import check_fingerprint
-from lmpretrain.flops import mfu, peak_flops, train_flops_per_token
+from lmpretrain.flops import flops_per_token, mfu, peak_flops
+from lmpretrain.guard import UpdateGuard
+from lmpretrain.launch import report_user_error
 from lmpretrain.loss import causal_lm_loss_sum, count_targets, make_labels
 from lmpretrain.model import build_model, build_model_config, parameter_counts
-from lmpretrain.optim import build_optimizer, build_scheduler, describe_groups
+from lmpretrain.optim import apply_hyperparameters, build_optimizer, describe_groups
 from lmpretrain.precision import MixedPrecision
 from lmpretrain.preemption import PreemptionHandler
 from lmpretrain.rng import capture_rng_state, restore_rng_state
+from lmpretrain.schedule import hyperparameter_changes, learning_rate, set_lr
 from lmpretrain.state import TrainState
 from lmpretrain.tokenizer import load_tokenizer
 from lmpretrain.tracking import Tracker, git_commit, package_versions, wandb_log_with
@@ -56,10 +60,12 @@ def train(cfg, cleanup: ExitStack) -> None:
     say = accelerator.print
     say(f"[lmpretrain] {info.describe()}")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    model_config = build_model_config(cfg.model)
+    model_config = build_model_config(cfg.model, tokenizer)
     problems = config_problems(cfg, info.world_size) + model_problems(cfg, model_config, tokenizer)
     if problems:
         raise ConfigError(problems, source=cfg.config_path)
+    deepspeed = info.sharding.startswith("deepspeed")
+    guard = UpdateGuard(cfg.train, engine_steps=deepspeed)  # skips non-finite (and spiking) updates
     out = Path(cfg.run.output_dir)
     check_output_dir_writable(out)
     checkpointer = Checkpointer(out, accelerator, keep_last=cfg.checkpoint.keep_last)
@@ -77,13 +83,11 @@ def train(cfg, cleanup: ExitStack) -> None:
         f"[lmpretrain] {counts['params_total']:,} parameters; optimizer groups: "
         f"{describe_groups(optimizer.param_groups)}"
     )
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-    deepspeed = info.sharding.startswith("deepspeed")
     precision = MixedPrecision(
         cfg.train.precision, accelerator.device, cfg.train.loss_scale_init, engine=deepspeed
     )
-    # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (on the optimizer's param groups), so it
-    # advances only after a real step under every backend.
+    # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (schedule.py sets the param groups' lr
+    # before each step from the updates really applied), under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)
     if deepspeed:
         say(f"[lmpretrain] {precision.check_engine_weights(model)}")
@@ -113,7 +117,12 @@ def train(cfg, cleanup: ExitStack) -> None:
         "global_batch": global_batch,
     }
 
-    flops_per_token = train_flops_per_token(model_config, cfg.data.seq_len)
+    flops, flops_source = flops_per_token(model_config, cfg.data.seq_len)  # None: not countable
+    say(
+        f"[lmpretrain] training FLOPs per token: {flops:.4g} ({flops_source})"
+        if flops
+        else f"[lmpretrain] WARNING: {flops_source}"
+    )
     peak, peak_source = peak_flops(accelerator.device, precision.dtype or torch.float32)
 
     # ---- Resume: weights, moments, schedule, scaler, RNG, data position, counters ---------------
@@ -126,11 +135,17 @@ def train(cfg, cleanup: ExitStack) -> None:
             say(f"[lmpretrain] WARNING: {warning}")
         data_state, saved = checkpointer.load(resume_from, model=model, optimizer=optimizer)
         loop_rng = capture_rng_state()  # as saved; re-applied right before the loop
-        scheduler.load_state_dict(saved["scheduler"])
         precision.load_state_dict(saved["scaler"])
         train_data.load_state_dict(data_state)
+        guard.load_state_dict(saved.get("guard"))
         state = TrainState.from_dict(saved)
         say(f"[lmpretrain] resumed from {resume_from} at step {state.step}")
+        if resume_from.parent.parent.resolve() != out.resolve():  # a branch into another output dir
+            state.wandb_run_id = None  # (e.g. an anneal) is a W&B run of its own, not the original's
+        apply_hyperparameters(optimizer, cfg.optim)  # the current config's, not the checkpoint's
+        changes = hyperparameter_changes(saved["config"], cfg, state.step, state.step - state.skipped_steps)
+        if changes:
+            say(f"[lmpretrain] {changes}")
 
     tracker = Tracker(
         accelerator,
@@ -145,7 +160,8 @@ def train(cfg, cleanup: ExitStack) -> None:
             "packages": package_versions(),
             "git_commit": git_commit(),
             "runtime": vars(info),
-            "flops_per_token": flops_per_token,
+            "flops_per_token": flops,
+            "flops_per_token_source": flops_source,
             "peak_flops": peak,
             "peak_flops_source": peak_source,
         },
@@ -154,12 +170,12 @@ def train(cfg, cleanup: ExitStack) -> None:
     )
     cleanup.push(lambda exc_type, *_: tracker.finish(exit_code=1 if exc_type else 0))
     state.wandb_run_id = tracker.run_id
-    warnings = ConsoleWarnings(say)
+    warnings = ConsoleWarnings(say, max_skipped=cfg.train.max_skipped_steps)
 
     def save_checkpoint():
         trainer_state = {
             **state.to_dict(),
-            "scheduler": scheduler.state_dict(),
+            "guard": guard.state_dict(),
             "scaler": precision.state_dict(),
             "world_size": W,
             "config": cfg.to_dict(),
@@ -219,6 +235,8 @@ def train(cfg, cleanup: ExitStack) -> None:
         t_start = time.perf_counter()
         rows = next(batches)  # 1. load
         t_data = time.perf_counter() - t_start
+        # The lr of this update: a function of the updates applied so far and the current config.
+        lr = set_lr(optimizer, learning_rate(cfg, state.step - state.skipped_steps))
         input_ids = rows.input_ids.to(accelerator.device, non_blocking=True)
         labels = make_labels(input_ids, tokenizer.eos_token_id if cfg.train.mask_cross_doc_targets else None)
         # Normalise by the target count of the whole global batch (all micro-batches, all ranks);
@@ -238,23 +256,19 @@ def train(cfg, cleanup: ExitStack) -> None:
                 accelerator.backward(precision.scale(micro_loss * loss_scale))  # 3. backward, 4. sync
             loss_sum += micro_loss.detach()
         assert accelerator.sync_gradients, "the last micro-batch of a step must synchronise gradients"
+        train_loss = accelerator.reduce(loss_sum, reduction="sum").item() / n_targets
         precision.unscale_(optimizer)  # real-size grads
         grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))  # 5. clip
-        lr = optimizer.param_groups[0]["lr"]
-        # DeepSpeed already stepped (or skipped an fp16 overflow) in backward; its step() is a no-op.
-        stepped = precision.step(optimizer) and not optimizer.step_was_skipped  # 6. update
-        if stepped:
-            scheduler.step()  # an fp16 overflow skip must not move the schedule
+        # A non-finite loss or gradient (or a loss spike) skips the update: no weight or moment changes
+        # and the schedule waits. DeepSpeed's engine makes the same non-finite check inside backward.
+        skipped = guard.check(train_loss, grad_norm, precision.backs_off_overflows)
+        # 6. update (DeepSpeed already stepped, or skipped, in backward: its step() is a no-op)
+        stepped = precision.step(optimizer, skip=skipped is not None) and not optimizer.step_was_skipped
         optimizer.zero_grad(set_to_none=True)
-        train_loss = accelerator.reduce(loss_sum, reduction="sum").item() / n_targets
         if not stepped:
             state.skipped_steps += 1
-        elif not math.isfinite(train_loss):
-            raise FloatingPointError(
-                f"loss is {train_loss} at step {state.step + 1} (lr {lr:.3g}, grad norm {grad_norm:.3g}); "
-                f"nothing was saved from this step. Lower optim.lr or raise optim.warmup_steps, then resume."
-            )
         state.step += 1
+        guard.record(state.step, train_loss, grad_norm, skipped)  # too many skips in a row: TrainingDiverged
         state.tokens_seen += global_batch * cfg.data.seq_len
         step_time = time.perf_counter() - t_start
 
@@ -270,14 +284,14 @@ def train(cfg, cleanup: ExitStack) -> None:
             "perf/tokens_per_s": tokens_per_s,
             "perf/step_time_s": step_time,
             "perf/data_wait_frac": t_data / step_time,
-            "perf/mfu": mfu(tokens_per_s / W, flops_per_token, peak),
             "perf/peak_mem_bytes": runtime.peak_memory_bytes(accelerator.device),
+            "train/skipped_steps": state.skipped_steps,
         }
-        if cfg.train.precision == "fp16":  # overflow skips are counted under DeepSpeed's scaler too
-            metrics["train/skipped_steps"] = state.skipped_steps
+        if flops:
+            metrics["perf/mfu"] = mfu(tokens_per_s / W, flops, peak)
         if precision.scaler:
             metrics["train/loss_scale"] = precision.loss_scale
-        warnings.observe(state.step, train_loss, metrics["train/clipped"], not stepped)
+        warnings.observe(state.step, train_loss, metrics["train/clipped"], skipped)
         final_step = state.step == cfg.train.max_steps
         if final_step or (cfg.eval.every and state.step % cfg.eval.every == 0):  # 7. evaluate
             metrics.update(run_eval())
@@ -323,6 +337,5 @@ def train(cfg, cleanup: ExitStack) -> None:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)  # a problem to fix, not a bug: no traceback
-        sys.exit(err.exit_code)
+    except UserError as err:  # a problem to fix, not a bug: one message, no traceback
+        sys.exit(report_user_error(err))

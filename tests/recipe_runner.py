@@ -57,14 +57,27 @@ def env_for_runs(extra: dict | None = None) -> dict:
     return env
 
 
-def command(out_dir, *overrides, launch: str | None = "cpu", launch_args=(), config=SMOKE) -> list[str]:
-    """`launch=None` runs plain python; otherwise `accelerate launch --config_file configs/accelerate/<launch>.yaml`."""
+def command(
+    out_dir, *overrides, launch: str | None = "cpu", launch_args=(), config=SMOKE, launcher=None
+) -> list[str]:
+    """`launch=None` runs plain python; otherwise `accelerate launch --config_file configs/accelerate/<launch>.yaml`
+    (`launcher=LAUNCHER`: the README's `python -m lmpretrain.launch`, same arguments)."""
     recipe = [str(RECIPE), str(config), f"--run.output_dir={out_dir}", *overrides]
     if launch is None:
         return [sys.executable, *recipe]
     cfg = ROOT / "configs" / "accelerate" / f"{launch}.yaml"
     port = [] if "--main_process_port" in launch_args else ["--main_process_port", str(free_port())]
-    return [str(ACCELERATE), "launch", "--config_file", str(cfg), *port, *launch_args, *recipe]
+    return [
+        *(launcher or [str(ACCELERATE), "launch"]),
+        "--config_file",
+        str(cfg),
+        *port,
+        *launch_args,
+        *recipe,
+    ]
+
+
+LAUNCHER = [sys.executable, "-m", "lmpretrain.launch"]
 
 
 @dataclass
@@ -84,10 +97,26 @@ class Run:
 
 
 def run(
-    out_dir, *overrides, launch="cpu", launch_args=(), env=None, timeout=600, check=True, config=SMOKE
+    out_dir,
+    *overrides,
+    launch="cpu",
+    launch_args=(),
+    env=None,
+    timeout=600,
+    check=True,
+    config=SMOKE,
+    launcher=None,
 ) -> Run:
+    cmd = command(
+        out_dir, *overrides, launch=launch, launch_args=launch_args, config=config, launcher=launcher
+    )
+    return run_command(cmd, out_dir, env=env, timeout=timeout, check=check)
+
+
+def run_command(cmd: list[str], out_dir, *, env=None, timeout=600, check=True) -> Run:
+    """Run `cmd` from the repository root in the test environment; its output is stdout and stderr."""
     proc = subprocess.run(
-        command(out_dir, *overrides, launch=launch, launch_args=launch_args, config=config),
+        cmd,
         cwd=ROOT,
         env=env_for_runs(env),
         stdout=subprocess.PIPE,
@@ -99,6 +128,20 @@ def run(
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe exited {proc.returncode}:\n{proc.stdout[-6000:]}")
     return result
+
+
+def run_in_one_process(arg_lists: list[list[str]], timeout=600) -> list[str]:
+    """Run the recipe once per argument list, all in one process (tests/run_in_one_process.py: one
+    interpreter start-up for all); returns each run's output and fails unless every run went through."""
+    script = ROOT / "tests" / "run_in_one_process.py"
+    output = run_command(
+        [sys.executable, str(script), *map(json.dumps, arg_lists)], ROOT, timeout=timeout
+    ).output
+    logs = output.split("=== run ")[1:]
+    assert len(logs) == len(arg_lists) and all(f"=== ok {i}" in log for i, log in enumerate(logs)), output[
+        -6000:
+    ]
+    return logs
 
 
 def start(

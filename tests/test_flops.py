@@ -5,13 +5,16 @@ import time
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from lmpretrain.flops import (
+    counted_flops_per_token,
+    flops_per_token,
     gpu_table_key,
     matmul_params_per_token,
     measure_peak_flops,
     mfu,
+    parameter_flops_per_token,
     peak_flops,
     table_peak,
     train_flops_per_token,
@@ -143,3 +146,64 @@ def test_mfu():
     assert mfu(8000.0, 1e9, 1e13, num_devices=8) == pytest.approx(0.1)
     with pytest.raises(ValueError):
         mfu(1.0, 1.0, 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Fallbacks for model types without a formula
+# --------------------------------------------------------------------------------------------
+
+SMALL_LLAMA = LlamaConfig(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    tie_word_embeddings=True,
+)
+SMALL_GPT2 = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=512)
+
+
+@pytest.mark.parametrize("config", [SMALL_LLAMA, SMALL_GPT2], ids=["llama", "gpt2"])
+def test_flop_counter_and_6n_agree_with_the_formula(config):
+    """torch's FLOP counter (forward + backward on the meta device) and 6N + attention count what the
+    hand formula counts, to the FLOP (GPT-2's tied head and Llama's GQA included)."""
+    formula = train_flops_per_token(config, 96)
+    assert counted_flops_per_token(config, 96) == pytest.approx(formula, rel=1e-3)  # + rotary's tiny matmul
+    assert parameter_flops_per_token(config, 96) == formula
+    assert flops_per_token(config, 96) == (formula, "architecture formula")
+
+
+def test_mixture_of_experts_counts_the_routed_experts_only():
+    config = AutoConfig.for_model(
+        "mixtral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=512,
+    )
+    # per layer: q, o 64x64; k, v 64x32; router 64x8; 2 of 8 experts, each gate+up 64x256 and down 128x64
+    per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 64 * 8 + 2 * (64 * 256 + 128 * 64)
+    params = 2 * per_layer + 64 * 512  # + the untied LM head
+    expected = 3 * (2 * params + 2 * 2 * 2 * 96 * 64)
+    assert parameter_flops_per_token(config, 96) == expected
+    with pytest.raises(ValueError, match="mixture of experts"):
+        counted_flops_per_token(config, 96)
+    assert flops_per_token(config, 96) == (expected, "6N + attention from the parameters")
+
+
+def test_counter_for_types_without_a_formula_and_never_an_exception():
+    neox = AutoConfig.for_model(
+        "gpt_neox", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    value, source = flops_per_token(neox, 64)
+    assert source == "torch FLOP counter on the meta device"
+    assert value == pytest.approx(parameter_flops_per_token(neox, 64), rel=1e-3)
+    value, source = flops_per_token({"model_type": "not-a-model"}, 64)  # nothing can count it
+    assert value is None
+    assert source.startswith("could not count training FLOPs per token, so perf/mfu is not logged (")
+    assert "architecture formula: ValueError" in source and len(source) < 1000

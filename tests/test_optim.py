@@ -1,56 +1,10 @@
-"""Schedule, parameter groups, clipping: against closed forms and torch's own implementations."""
-
-import math
+"""Parameter groups and optimizer hyper-parameters (the schedule is tested in test_schedule.py)."""
 
 import pytest
-import torch
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lmpretrain.config import OptimConfig
-from lmpretrain.optim import build_optimizer, build_scheduler, lr_factor, param_groups
-
-PEAK, FLOOR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 100
-
-
-def lrs_of(scheduler, optimizer, steps):
-    out = []
-    for _ in range(steps):
-        out.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return out
-
-
-def test_lr_factor_closed_form_points():
-    f = lambda s: PEAK * lr_factor(s, warmup_steps=WARMUP, max_steps=TOTAL, min_ratio=FLOOR / PEAK)  # noqa: E731
-    assert f(0) == pytest.approx(PEAK / WARMUP)  # warmup start
-    assert f(WARMUP - 1) == pytest.approx(PEAK)  # warmup end reaches the peak
-    assert f(WARMUP) == pytest.approx(PEAK)  # cosine starts at the peak
-    mid = WARMUP + (TOTAL - WARMUP) // 2
-    assert f(mid) == pytest.approx(FLOOR + 0.5 * (PEAK - FLOOR))  # halfway down the cosine
-    assert f(TOTAL) == pytest.approx(FLOOR)  # floor
-    assert f(TOTAL + 50) == pytest.approx(FLOOR)  # stays at the floor past the end
-    for s in range(WARMUP, TOTAL):
-        t = (s - WARMUP) / (TOTAL - WARMUP)
-        assert f(s) == pytest.approx(FLOOR + (PEAK - FLOOR) * (1 + math.cos(math.pi * t)) / 2, rel=1e-12)
-
-
-def test_lambda_schedule_matches_torch_sequential_linear_cosine():
-    p = torch.nn.Parameter(torch.zeros(1))
-    opt_a = torch.optim.AdamW([p], lr=PEAK)
-    ours = build_scheduler(opt_a, OptimConfig(lr=PEAK, min_lr=FLOOR, warmup_steps=WARMUP), TOTAL)
-    opt_b = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=PEAK)
-    ref = SequentialLR(
-        opt_b,
-        [
-            LinearLR(opt_b, start_factor=1 / WARMUP, total_iters=WARMUP - 1),
-            CosineAnnealingLR(opt_b, T_max=TOTAL - WARMUP, eta_min=FLOOR),
-        ],
-        milestones=[WARMUP],
-    )
-    a, b = lrs_of(ours, opt_a, TOTAL), lrs_of(ref, opt_b, TOTAL)
-    assert a == pytest.approx(b, rel=1e-6)
+from lmpretrain.optim import apply_hyperparameters, build_optimizer, param_groups
 
 
 def tiny(model_type, **kw):
@@ -102,3 +56,16 @@ def test_frozen_parameters_are_left_out():
     model.transformer.wpe.weight.requires_grad_(False)
     decay, no_decay = param_groups(model, 0.1)
     assert all(p is not model.transformer.wpe.weight for p in decay["params"] + no_decay["params"])
+
+
+def test_apply_hyperparameters_overrides_a_loaded_optimizer_state():
+    """A resumed run takes betas, eps and weight decay from its config, not from the checkpoint."""
+    model = tiny("gpt2", n_embd=16, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
+    saved = build_optimizer(model, OptimConfig(weight_decay=0.1, beta2=0.95, eps=1e-8)).state_dict()
+    opt = build_optimizer(model, OptimConfig())
+    opt.load_state_dict(saved)
+    apply_hyperparameters(opt, OptimConfig(weight_decay=0.01, beta1=0.8, beta2=0.99, eps=1e-6))
+    assert [(g["name"], g["weight_decay"], g["betas"], g["eps"]) for g in opt.param_groups] == [
+        ("decay", 0.01, (0.8, 0.99), 1e-6),
+        ("no_decay", 0.0, (0.8, 0.99), 1e-6),
+    ]

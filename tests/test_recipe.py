@@ -14,7 +14,7 @@ from lmpretrain.analysis.wandb_offline import find_offline_runs, read_offline_ru
 from lmpretrain.config import load_config
 from lmpretrain.data import TrainStream
 from lmpretrain.model import build_model_config
-from lmpretrain.optim import lr_factor
+from lmpretrain.schedule import lr_factor
 from lmpretrain.tokenizer import load_tokenizer
 
 TRAIN_KEYS = {
@@ -29,6 +29,7 @@ TRAIN_KEYS = {
     "perf/data_wait_frac",
     "perf/mfu",
     "perf/peak_mem_bytes",
+    "train/skipped_steps",
 }
 
 
@@ -150,7 +151,7 @@ def test_first_steps_match_a_plain_pytorch_loop(tmp_path):
     cfg = load_config([str(rr.SMOKE), *[o for o in overrides if not o.startswith("--logging")]])
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     set_seed(seed)
-    model = AutoModelForCausalLM.from_config(build_model_config(cfg.model))
+    model = AutoModelForCausalLM.from_config(build_model_config(cfg.model, tokenizer))
     matrices = [p for p in model.parameters() if p.dim() >= 2]  # nanoGPT's rule
     others = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -259,30 +260,6 @@ def test_unwritable_output_dir_fails_before_training(tmp_path):
     run = rr.run(blocker / "run", launch=None, check=False)
     assert run.returncode == 2 and "output" in run.output.lower() and "Traceback" not in run.output
     assert "pretrain:" not in run.output  # no progress bar: nothing started
-
-
-def test_nan_loss_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path):
-    run = rr.run(
-        tmp_path / "nan",
-        *rr.QUICK,
-        "--optim.lr=1e4",
-        "--optim.min_lr=1e4",
-        "--train.max_steps=40",
-        "--checkpoint.every=2",
-        "--eval.every=0",
-        "--optim.warmup_steps=0",
-        "--train.max_grad_norm=0",
-        "--logging.wandb_mode=disabled",
-        launch=None,
-        check=False,
-    )
-    assert run.returncode != 0
-    assert "FloatingPointError: loss is nan" in run.output or "FloatingPointError: loss is inf" in run.output
-    assert "nothing was saved from this step" in run.output
-    from lmpretrain.checkpoint import Checkpointer
-
-    latest = Checkpointer(tmp_path / "nan").latest()
-    assert latest is not None and all(r["step"] <= int(latest.name.split("-")[1]) + 1 for r in run.metrics())
 
 
 def test_continued_pretraining_from_an_exported_model(smoke, tmp_path):

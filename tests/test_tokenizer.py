@@ -60,7 +60,10 @@ def test_load_tokenizer_errors_name_the_spec(tmp_path, small_tokenizer):
         timeout=120,
         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
     ).stdout
-    assert "could not load tokenizer 'no-such-org/no-such-tok'" in out
+    assert "'no-such-org/no-such-tok' is neither a local folder (there is no directory" in out
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerError, match="folder '.*empty' holds no loadable tokenizer"):
+        load_tokenizer(str(tmp_path / "empty"))
 
 
 def test_train_tokenizer_script_on_local_files(tmp_path):

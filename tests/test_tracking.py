@@ -24,6 +24,7 @@ from lmpretrain.analysis.wandb_offline import (
     run_file,
 )
 from lmpretrain.console import ConsoleWarnings, format_log_line
+from lmpretrain.guard import NONFINITE, OVERFLOW, SPIKE
 from lmpretrain.tracking import (
     REDACTED,
     SAMPLES_TABLE_KEY,
@@ -431,17 +432,34 @@ def test_online_falls_back_to_offline_without_key_or_network(tmp_path, monkeypat
 
 def test_console_warnings_are_said_once_per_kind():
     said = []
-    warn = ConsoleWarnings(said.append, spike_sigma=4.0, window=20, min_window=10, clip_streak=5)
+    warn = ConsoleWarnings(
+        said.append, spike_sigma=4.0, window=20, min_window=10, clip_streak=5, max_skipped=10
+    )
     for step in range(1, 30):  # steady, slightly noisy loss, clipped every step
-        warn.observe(step, 3.0 + 0.01 * (step % 3), clipped=True, skipped=False)
+        warn.observe(step, 3.0 + 0.01 * (step % 3), clipped=True)
     assert len(said) == 1 and "clipped on each of the last 5 steps" in said[0]
-    warn.observe(30, 9.0, clipped=False, skipped=True)  # a spike and a skipped step
-    warn.observe(31, 9.5, clipped=False, skipped=True)
-    warn.observe(32, float("nan"))
-    assert len(said) == 4
-    assert any("loss spike at step 30" in s for s in said) and any("step 30 was skipped" in s for s in said)
-    assert any("nan" in s for s in said)
-    assert warn.said == {"clipping", "spike", "skipped", "nonfinite"}
+    warn.observe(30, 9.0)  # a spike, not skipped
+    warn.observe(31, 9.5, skipped=OVERFLOW)
+    warn.observe(32, 9.6, skipped=OVERFLOW)
+    warn.observe(33, float("nan"), skipped=NONFINITE)
+    warn.observe(34, 9.0, skipped=SPIKE)
+    warn.observe(35, float("nan"), skipped=NONFINITE)
+    assert len(said) == 5, said
+    assert (
+        "loss spike at step 30: 9.0000 is more than 4 sigma above the last 20 steps' mean 3.0105" in said[1]
+    )
+    assert "step 31 was skipped: inf/nan gradients under fp16 loss scaling" in said[2]
+    assert (
+        "update of step 33 was skipped: its loss (nan) or gradient norm is not finite; 10 in a row" in said[3]
+    )
+    assert "update of step 34 was skipped: its loss 9.0000 is a spike (train.skip_spikes)" in said[4]
+    assert warn.said == {
+        "clipping",
+        "spike",
+        f"skipped:{OVERFLOW}",
+        f"skipped:{NONFINITE}",
+        f"skipped:{SPIKE}",
+    }
 
 
 def test_format_log_line_shows_only_present_keys():

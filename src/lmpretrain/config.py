@@ -114,13 +114,15 @@ class TrainConfig:
     z_loss: float = 0.0
     """Weight of the z-loss z_loss * mean(logsumexp(logits)^2) over target tokens (OLMo); 0 = off."""
     max_skipped_steps: int = 10
-    """Stop (exit 2) after this many consecutive skipped updates (non-finite loss or gradient, spikes)."""
+    """Stop (exit 2) after this many consecutive skipped updates (non-finite loss or gradient, spikes);
+    fp16 overflows the loss scaler answers by halving its scale (while it is >= 1) do not count."""
     skip_spikes: bool = False
     """Skip the update of a step whose loss exceeds mean + spike_sigma * std of the last spike_window steps."""
     spike_sigma: float = 6.0
     """Spike threshold in standard deviations of the recent losses (with skip_spikes)."""
     spike_window: int = 100
-    """Steps of loss history the spike threshold is computed over (with skip_spikes; saved in checkpoints)."""
+    """Applied steps of loss history the spike threshold is computed over, judged once half of it is
+    filled (with skip_spikes; saved in checkpoints)."""
 
 
 @dataclass
@@ -141,9 +143,10 @@ class OptimConfig:
     fused: bool = True
     """torch's fused AdamW where the device supports it, else the foreach implementation (same math)."""
     schedule: str = "cosine"
-    """cosine | wsd (warmup-stable-decay) | linear | constant, after the linear warmup."""
+    """cosine | wsd (warmup-stable-decay) | linear | constant, after the linear warmup; a function of the
+    updates applied and the current config, so changing it (or lr, min_lr, warmup, max_steps) at resume works."""
     decay_fraction: float = 0.2
-    """wsd: the final fraction of train.max_steps that decays to optim.min_lr."""
+    """wsd: the last round(decay_fraction * train.max_steps) steps decay to optim.min_lr, along 1 - sqrt."""
 
 
 @dataclass
@@ -460,4 +463,9 @@ def model_problems(cfg: Config, model_config, tokenizer) -> list[str]:
         )
     if tokenizer.eos_token_id is None:
         p.append(f"tokenizer '{cfg.data.tokenizer}' has no EOS token; documents cannot be separated")
+    if getattr(model_config, "output_router_logits", False):
+        p.append(
+            "model.overrides.output_router_logits=true asks for the router's load-balancing loss, which the "
+            "recipe's loss (the language-model loss only) would silently leave out; set it to false"
+        )
     return p

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from lmpretrain.guard import NONFINITE, OVERFLOW, SPIKE, LossWindow
 
 
 def as_scalar(value: Any) -> Any:
@@ -16,7 +16,7 @@ def as_scalar(value: Any) -> Any:
 
 
 class ConsoleWarnings:
-    """Warnings said once per kind: clipping on every step, skipped fp16 steps, loss spikes."""
+    """Warnings said once per kind: clipping on every step, skipped updates (by reason), loss spikes."""
 
     def __init__(
         self,
@@ -26,13 +26,14 @@ class ConsoleWarnings:
         window: int = 50,
         min_window: int = 10,
         clip_streak: int = 20,
+        max_skipped: int | None = None,
     ) -> None:
         self.printer = printer
         self.spike_sigma = spike_sigma
-        self.min_window = min_window
         self.clip_streak = clip_streak
+        self.max_skipped = max_skipped
         self.said: set[str] = set()
-        self._losses: deque[float] = deque(maxlen=window)
+        self._losses = LossWindow(window, min_count=min_window)
         self._clipped_run = 0
 
     def _say(self, kind: str, message: str) -> None:
@@ -40,8 +41,9 @@ class ConsoleWarnings:
             self.said.add(kind)
             self.printer(f"warning: {message} (said once)")
 
-    def observe(self, step: int, loss: float, clipped: bool = False, skipped: bool = False) -> None:
-        """Feed one optimizer step; prints each kind of warning the first time it happens."""
+    def observe(self, step: int, loss: float, clipped: bool = False, skipped: str | None = None) -> None:
+        """Feed one optimizer step (`skipped`: why its update was skipped, see lmpretrain.guard); prints
+        each kind of warning the first time it happens."""
         loss = float(loss)
         self._clipped_run = self._clipped_run + 1 if clipped else 0
         if self._clipped_run >= self.clip_streak:
@@ -50,26 +52,30 @@ class ConsoleWarnings:
                 f"the gradient was clipped on each of the last {self._clipped_run} steps "
                 f"(step {step}): max_grad_norm may be too low or the lr too high",
             )
-        if skipped:
+        if skipped is not None:
+            stop = f"; {self.max_skipped} in a row stop the run" if self.max_skipped else ""
             self._say(
-                "skipped",
-                f"step {step} was skipped: inf/nan gradients under fp16 loss scaling "
-                "(train/skipped_steps counts them)",
+                f"skipped:{skipped}",
+                {
+                    OVERFLOW: f"step {step} was skipped: inf/nan gradients under fp16 loss scaling, the "
+                    "scale is halved",
+                    NONFINITE: f"the update of step {step} was skipped: its loss ({loss:.4g}) or gradient "
+                    f"norm is not finite{stop}",
+                    SPIKE: f"the update of step {step} was skipped: its loss {loss:.4f} is a spike "
+                    f"(train.skip_spikes){stop}",
+                }[skipped]
+                + " (train/skipped_steps counts skipped steps)",
             )
-        if not math.isfinite(loss):
-            self._say("nonfinite", f"loss is {loss} at step {step}")
-            return
-        if len(self._losses) >= self.min_window:
-            mean = sum(self._losses) / len(self._losses)
-            std = math.sqrt(sum((x - mean) ** 2 for x in self._losses) / len(self._losses))
-            if std > 0 and loss > mean + self.spike_sigma * std:
-                self._say(
-                    "spike",
-                    f"loss spike at step {step}: {loss:.4f} is more than "
-                    f"{self.spike_sigma:g} sigma above the last {len(self._losses)} steps' "
-                    f"mean {mean:.4f} (sigma {std:.4f})",
-                )
-        self._losses.append(loss)
+            return  # a skipped step's loss is no part of the recent level
+        if self._losses.is_spike(loss, self.spike_sigma):
+            mean, std = self._losses.stats()
+            self._say(
+                "spike",
+                f"loss spike at step {step}: {loss:.4f} is more than "
+                f"{self.spike_sigma:g} sigma above the last {len(self._losses.losses)} steps' "
+                f"mean {mean:.4f} (sigma {std:.4f})",
+            )
+        self._losses.push(loss)
 
 
 def _si(x: float) -> str:

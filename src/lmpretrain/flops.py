@@ -98,6 +98,97 @@ def train_flops_per_token(model_config: Any, seq_len: int, *, causal: bool = Fal
     return flops_per_token_from_counts(params, n_layers, seq_len, d_attn, causal=causal)
 
 
+def counted_flops_per_token(model_config: Any, seq_len: int) -> float:
+    """Training FLOPs per token counted by torch's FLOP counter: one forward + backward of the model
+    built on the meta device (shapes only: no memory, no compute), over one block of `seq_len` tokens.
+
+    Mixtures of experts are refused: their grouped expert matmuls are not counted by torch's counter.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _meta_model(model_config)
+    if any(_active_fraction(p, model_config) < 1 for p in model.parameters()):
+        raise ValueError("torch's FLOP counter does not count a mixture of experts' grouped matmuls")
+    tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        # use_cache=True: without a cache transformers looks for packed sequences in the position ids
+        # with .item(), which a meta tensor cannot answer.
+        logits = model(input_ids=tokens, use_cache=True).logits
+        logits.float().sum().backward()
+    return counter.get_total_flops() / seq_len
+
+
+def parameter_flops_per_token(model_config: Any, seq_len: int) -> float:
+    """6N + attention: N counts the weights used as matmuls per token -- every >= 2-D parameter except
+    embedding tables, plus the LM head even when tied -- with a mixture of experts' stacked expert
+    weights scaled to the num_experts_per_tok experts each token is routed to."""
+    model = _meta_model(model_config)
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    params = sum(
+        p.numel() * _active_fraction(p, model_config)
+        for p in model.parameters()
+        if p.dim() >= 2 and id(p) not in tables
+    )
+    head = model.get_output_embeddings()
+    if head is not None and id(head.weight) in tables:  # tied: the table is also the output matmul
+        params += head.weight.numel()
+    n_layers, n_heads, hidden = _require(
+        model_config, "num_hidden_layers", "num_attention_heads", "hidden_size"
+    )
+    d_attn = n_heads * int(_get(model_config, "head_dim", hidden // n_heads))
+    return flops_per_token_from_counts(round(params), n_layers, seq_len, d_attn)
+
+
+def _meta_model(model_config: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        # Eager attention: plain matmuls every model has, and that any counter sees.
+        return AutoModelForCausalLM.from_config(model_config, attn_implementation="eager")
+
+
+def _active_fraction(param: torch.Tensor, model_config: Any) -> float:
+    """k / E for a stacked expert weight [E, ...] of a top-k mixture of experts, else 1."""
+    experts = next(
+        (
+            _get(model_config, name)
+            for name in ("num_local_experts", "num_experts", "n_routed_experts")
+            if _get(model_config, name)
+        ),
+        None,
+    )
+    top_k = _get(model_config, "num_experts_per_tok")
+    if param.dim() == 3 and experts and top_k and param.shape[0] == experts:
+        return top_k / experts
+    return 1.0
+
+
+def flops_per_token(model_config: Any, seq_len: int) -> tuple[float | None, str]:
+    """Training FLOPs per token and where the number comes from, trying in turn the architecture
+    formula (gpt2 and Llama-style types), torch's FLOP counter on the meta device, and 6N + attention.
+    Never raises: a metric must not stop a run, so when nothing can count them it returns
+    (None, why) and the run logs no MFU."""
+    methods = (
+        ("architecture formula", train_flops_per_token),
+        ("torch FLOP counter on the meta device", counted_flops_per_token),
+        ("6N + attention from the parameters", parameter_flops_per_token),
+    )
+    failures = []
+    for source, method in methods:
+        try:
+            value = float(method(model_config, seq_len))
+        except Exception as err:  # noqa: BLE001 - any failure here means: try the next way
+            first_line = (str(err).splitlines() or [""])[0]
+            failures.append(f"{source}: {type(err).__name__}: {first_line[:160]}")
+            continue
+        if value > 0:
+            return value, source
+        failures.append(f"{source}: counted {value}")
+    return None, "could not count training FLOPs per token, so perf/mfu is not logged (" + "; ".join(
+        failures
+    ) + ")"
+
+
 # --------------------------------------------------------------------------------------------
 # Peak FLOP/s
 # --------------------------------------------------------------------------------------------

@@ -10,16 +10,22 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from lmpretrain.errors import ConfigError
 
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
-def build_model_config(model_cfg) -> PretrainedConfig:
+
+def build_model_config(model_cfg, tokenizer=None) -> PretrainedConfig:
     """AutoConfig for `model.type` (or `model.pretrained`) with `model.overrides` applied and checked.
 
     Overrides go to the config's constructor, so derived fields follow them (Llama's head_dim is
     hidden_size / num_attention_heads). AutoConfig accepts any keyword silently; an override that is
     not a field of the model's config would be ignored, so it is an error naming the nearest field.
+    A config built from `model.type` takes bos/eos/pad_token_id from `tokenizer` (the model type's
+    defaults are another tokenizer's ids), unless model.overrides sets them; a pretrained model keeps its own.
     """
     # use_cache: training never reuses a KV cache; generation asks for one explicitly.
     overrides = {"use_cache": False, **model_cfg.overrides}
+    if tokenizer is not None and not model_cfg.pretrained:
+        overrides = {**{name: getattr(tokenizer, name) for name in SPECIAL_TOKENS}, **overrides}
     if model_cfg.pretrained:  # one load: from_pretrained hands back the overrides it could not apply
         config, unused = AutoConfig.from_pretrained(
             model_cfg.pretrained, return_unused_kwargs=True, **overrides

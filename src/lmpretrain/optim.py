@@ -1,13 +1,9 @@
-"""AdamW with weight-decay groups by parameter shape, and the warmup + cosine schedule."""
+"""AdamW with weight-decay groups by parameter shape (the lr schedule is in schedule.py)."""
 
 from __future__ import annotations
 
-import math
-from functools import partial
-
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False) -> list[dict]:
@@ -56,19 +52,11 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.AdamW:
     )
 
 
-def lr_factor(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
-    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warmup, then cosine to min_ratio."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_ratio + 0.5 * (1.0 - min_ratio) * (1.0 + math.cos(math.pi * progress))
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, max_steps: int) -> LambdaLR:
-    factor = partial(
-        lr_factor,
-        warmup_steps=optim_cfg.warmup_steps,
-        max_steps=max_steps,
-        min_ratio=optim_cfg.min_lr / optim_cfg.lr,
-    )
-    return LambdaLR(optimizer, factor)
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, optim_cfg) -> None:
+    """Set betas, eps and the decay group's weight decay from the config: a loaded optimizer state
+    brings back the values it was saved with, and a resume must follow the current config."""
+    for group in optimizer.param_groups:
+        group["betas"] = (optim_cfg.beta1, optim_cfg.beta2)
+        group["eps"] = optim_cfg.eps
+        if group.get("name") == "decay":
+            group["weight_decay"] = optim_cfg.weight_decay

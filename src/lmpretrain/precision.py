@@ -77,15 +77,28 @@ class MixedPrecision:
         if self.scaler:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer) -> bool:
-        """Step the optimizer unless fp16 gradients overflowed; returns whether it really stepped."""
+    def step(self, optimizer, skip: bool = False) -> bool:
+        """Step the optimizer unless `skip` or fp16 gradients overflowed; returns whether it really stepped.
+
+        A skipped step still updates the fp16 loss scale from the overflow check `unscale_` made, so
+        the scaler backs off after inf/NaN gradients whoever decided to skip.
+        """
         if not self.scaler:
-            optimizer.step()
-            return True
+            if not skip:
+                optimizer.step()
+            return not skip
         before = self.scaler.get_scale()
-        self.scaler.step(optimizer)  # skipped internally when a gradient is inf/NaN
-        self.scaler.update()  # halves the scale after a skip, doubles it after growth_interval clean steps
-        return self.scaler.get_scale() >= before
+        if not skip:
+            self.scaler.step(optimizer)  # skipped internally when a gradient is inf/NaN
+        self.scaler.update()  # halves the scale after an overflow, doubles it after growth_interval clean steps
+        return not skip and self.scaler.get_scale() >= before
+
+    @property
+    def backs_off_overflows(self) -> bool:
+        """Whether an fp16 loss scaler answers inf/NaN gradients by halving its scale: ours while the
+        scale is >= 1 (below it gradients overflow at their true size), DeepSpeed's always (it stops the
+        run itself at its minimum scale)."""
+        return self.precision == "fp16" and (self.engine or self.scaler.get_scale() >= 1)
 
     @property
     def loss_scale(self) -> float | None:

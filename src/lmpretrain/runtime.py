@@ -100,15 +100,15 @@ def configure_threads(requested: int, local_world_size: int) -> int:
 
 
 def requested_processes() -> int | None:
-    """The process count `accelerate launch` was asked for, read from the launcher's own command line."""
+    """The process count `accelerate launch` (or `python -m lmpretrain.launch`, which takes the same
+    arguments) was asked for, read from the launcher's own command line."""
     try:
         argv = psutil.Process(os.getppid()).cmdline()
     except (psutil.Error, OSError):
         return None
+    launchers = {("accelerate", "launch"), ("-m", "lmpretrain.launch")}
     try:
-        at = next(
-            i for i in range(len(argv) - 1) if argv[i].endswith("accelerate") and argv[i + 1] == "launch"
-        )
+        at = next(i for i in range(len(argv) - 1) if (os.path.basename(argv[i]), argv[i + 1]) in launchers)
     except StopIteration:
         return None
     from accelerate.commands.launch import launch_command_parser

@@ -72,16 +72,25 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     else:
         if spec.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(spec)):
             raise TokenizerError(
-                f"tokenizer folder {spec!r} does not exist; train one with scripts/train_tokenizer.py "
+                f"data.tokenizer: folder {spec!r} does not exist; train one with scripts/train_tokenizer.py "
                 "or use builtin:python-stdlib"
             )
         path = os.path.expanduser(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:
-        where = "local folder" if os.path.isdir(path) else "Hub id (not a local folder; is the network up?)"
+        reason = (
+            f"{type(e).__name__}: {e}".strip().splitlines()[0].rstrip(".")
+        )  # its first line says what failed
+        if os.path.isdir(path):
+            raise TokenizerError(
+                f"data.tokenizer: folder {spec!r} holds no loadable tokenizer (tokenizer.json + "
+                f"tokenizer_config.json, as save_pretrained writes them): {reason}"
+            ) from e
         raise TokenizerError(
-            f"could not load tokenizer {spec!r} as a {where}: {type(e).__name__}: {e}"
+            f"data.tokenizer: {spec!r} is neither a local folder (there is no directory {os.path.abspath(path)}) "
+            f"nor a Hub id that loads: {reason}. Point data.tokenizer at a tokenizer folder (train one with "
+            "scripts/train_tokenizer.py) or use builtin:python-stdlib"
         ) from e
     if tokenizer.eos_token_id is None:
         raise TokenizerError(

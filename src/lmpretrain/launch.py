@@ -1,0 +1,81 @@
+"""`python -m lmpretrain.launch ...` is `accelerate launch ...` (same arguments, same launchers) whose
+run, when it stops on a user error, ends on that error's message and exit code 2.
+
+`accelerate launch` follows a failed process with its own traceback: a CalledProcessError for one
+process, torch elastic's ChildFailedError summary for several (`--quiet` only covers the former). So
+the recipe hands its message over through torch elastic's error file (TORCHELASTIC_ERROR_FILE, which
+torch elastic sets for each rank, and this launcher for a single process) instead of printing it, and
+this launcher prints the first failed rank's message last. Any other failure keeps accelerate's
+traceback. Under plain `accelerate launch` with several processes the message shows in torch
+elastic's summary, as that rank's "traceback".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from lmpretrain.errors import UserError
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def report_user_error(err: UserError) -> int:
+    """Hand a user error's message to the launcher (torch elastic's error file) or print it; returns
+    the exit code. Called once, by the recipe's entry point."""
+    message = f"error: {err}"
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                # A plain-string message: torch elastic's summary shows it as is (no Python traceback).
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+            return err.exit_code
+        except OSError:
+            pass  # say it here instead
+    print(message, file=sys.stderr, flush=True)
+    return err.exit_code
+
+
+def _read_message(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            message = json.load(f).get("message")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return message if isinstance(message, str) and message.startswith("error: ") else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args(argv)
+    code = UserError.exit_code
+    with tempfile.TemporaryDirectory(prefix="lmpretrain-launch-") as tmp:
+        # A single process is started by accelerate's simple launcher, which sets no error file;
+        # torch elastic replaces this one with its own per rank.
+        error_file = os.path.join(tmp, "error.json")
+        os.environ[ERROR_FILE_ENV] = error_file
+        try:
+            launch_command(args)
+            return
+        except (subprocess.CalledProcessError, SystemExit):  # one process (SystemExit: with --quiet)
+            message = _read_message(error_file)
+            if message is None:
+                raise
+        except ChildFailedError as err:
+            _, failure = err.get_first_failure()
+            message = failure.message if failure.exitcode == code else None
+            if not isinstance(message, str) or not message.startswith("error: "):
+                raise
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

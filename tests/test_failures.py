@@ -1,0 +1,80 @@
+"""Failures as users meet them, through the README's launch command (`python -m lmpretrain.launch`,
+accelerate launch's arguments): a diverging run skips its non-finite updates, never checkpoints
+non-finite weights and stops with exit 2; every user error ends on its one message, with no traceback.
+"""
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+import recipe_runner as rr
+
+
+def via_launcher(out_dir, *overrides, launch="cpu", launch_args=()) -> rr.Run:
+    """The recipe through `python -m lmpretrain.launch --config_file configs/accelerate/<launch>.yaml`."""
+    return rr.run(
+        out_dir, *overrides, launch=launch, launch_args=launch_args, launcher=rr.LAUNCHER, check=False
+    )
+
+
+def assert_ends_on(run: rr.Run, message: str) -> list[str]:
+    """Exit 2, no traceback, and the output's last lines are the one error message, said once."""
+    assert run.returncode == 2, run.output[-3000:]
+    assert "Traceback" not in run.output, run.output[-3000:]
+    tail = run.output.rstrip("\n")
+    start = tail.rfind("error: ")
+    assert start >= 0 and tail.count("error: ") == 1, run.output[-3000:]
+    assert start == 0 or tail[start - 1] == "\n"  # on its own line: no progress bar left open before it
+    assert tail[start:].startswith(f"error: {message}"), tail[start:]
+    return tail[:start].splitlines()
+
+
+def test_divergence_is_skipped_never_saved_and_stops_with_one_message(tmp_path):
+    """The issue's reproduction (lr 1e4, no clipping, a checkpoint every step) on two DDP processes."""
+    run = via_launcher(
+        tmp_path / "diverged",
+        "--optim.lr=1e4",
+        "--train.max_grad_norm=0",
+        "--checkpoint.every=1",
+        *rr.QUICK,
+        "--eval.every=0",
+        "--logging.wandb_mode=disabled",
+        launch="cpu-ddp",
+    )
+    before = assert_ends_on(run, "training diverged: the updates of steps ")
+    assert "(10 in a row, train.max_skipped_steps=10) were all skipped" in run.output
+    assert any(line.startswith("pretrain:") for line in before)  # the progress bar closed before it
+    assert run.output.count("gradient norm is not finite; 10 in a row stop the run") == 1  # warned once
+    rows = [r for r in run.metrics() if "train/loss" in r]
+    bad = [r for r in rows if r["train/loss"] != r["train/loss"]]  # NaN
+    assert len(bad) == 9 and rows[-1]["train/skipped_steps"] == 9  # the 10th raised before it was logged
+    assert [r["train/skipped_steps"] for r in bad] == list(range(1, 10))
+    assert len({r["train/lr"] for r in bad}) == 1  # the schedule waits while updates are skipped
+    checkpoints = sorted((run.out / "checkpoints").glob("step-*"))  # the last two (keep_last), mid-streak
+    assert [int(p.name[5:]) for p in checkpoints] == [bad[-2]["step"], bad[-1]["step"]]
+    weights = [load_file(path / "model.safetensors") for path in checkpoints]
+    for path, w in zip(checkpoints, weights, strict=True):
+        moments = torch.load(path / "optimizer.pt", weights_only=True)["state"]
+        assert all(torch.isfinite(t).all() for t in w.values()), path
+        assert all(torch.isfinite(t).all() for s in moments.values() for t in s.values()), path
+        guard = json.loads((path / "trainer_state.json").read_text())["guard"]
+        assert guard["consecutive"] == int(path.name[5:]) - bad[0]["step"] + 1  # resumes the count
+    assert all(
+        torch.equal(weights[0][k], weights[1][k]) for k in weights[0]
+    )  # a skipped step changes nothing
+
+
+def test_config_error_through_the_launcher_ends_on_the_message(tmp_path):
+    run = via_launcher(
+        tmp_path / "bad", "--train.max_step=5", launch_args=["--quiet"]
+    )  # accelerate's flag too
+    assert_ends_on(run, "1 problem(s) in ")
+    assert run.output.rstrip().endswith("unknown key 'train.max_step'; did you mean 'max_steps'?")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_missing_tokenizer_folder_ends_on_the_message(tmp_path):
+    run = via_launcher(tmp_path / "run", "--data.tokenizer=tokenizers/mine")
+    assert_ends_on(run, "data.tokenizer: 'tokenizers/mine' is neither a local folder (there is no directory ")
+    assert "use builtin:python-stdlib" in run.output.splitlines()[-1]

@@ -145,8 +145,8 @@ class SourceCursor:
         shown = [self.source.describe(p) for p in self.pieces][:3]
         return DataError(
             f"source {self.source.label} has too few documents for {self.num_streams} streams: stream "
-            f"{self.stream} found no usable document in a full pass over its share ({shown}, every "
-            f"{self.keep_every}th document; {self.skipped} bad records skipped). Lower data.num_streams or "
+            f"{self.stream} found no usable document in a full pass over its share ({shown}, keeping 1 "
+            f"document in {self.keep_every}; {self.skipped} bad records skipped). Lower data.num_streams or "
             "add data (empty corpus?)"
         )
 

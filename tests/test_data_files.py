@@ -50,7 +50,8 @@ def test_a_big_text_file_is_cut_at_line_starts_into_pieces_that_cover_it(tmp_pat
         assert len(pieces) == streams
         assert pieces[0].start == 0 and pieces[-1].end == len(data)
         assert all(
-            a.end == b.start and data[b.start - 1 : b.start] == b"\n" for a, b in zip(pieces, pieces[1:], strict=False)
+            a.end == b.start and data[b.start - 1 : b.start] == b"\n"
+            for a, b in zip(pieces, pieces[1:], strict=False)
         )
         units = [read_piece(source, p) for p in pieces]
         assert "".join(u.value for us in units for u in us) == text  # every byte once, in order

@@ -49,11 +49,17 @@ def test_concurrent_builds_happen_once(tmp_path):
     )
     env = {**os.environ, "LMPRETRAIN_CACHE": str(tmp_path)}
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
-    results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    results = [json.loads(out) for out, _ in outputs]
     assert all(p.returncode == 0 for p in procs)
+    assert (
+        sum("[lmpretrain] building the python-stdlib corpus from 150 files" in err for _, err in outputs) == 1
+    )
     assert results[0]["path"] == results[1]["path"]
     assert sum(r["builds"] for r in results) == 1
     folder = Path(results[0]["path"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from collections import Counter
@@ -289,6 +290,22 @@ def test_parquet_source_with_a_custom_text_field(tmp_path, small_tokenizer):
     tokens = stream_tokens(steps(ts, 8)[0], ts)
     assert doc_tags(tokens[0], small_tokenizer)[:2] == ["p0.0", "p0.1"]
     assert doc_tags(tokens[1], small_tokenizer)[:2] == ["p1.0", "p1.1"]
+
+
+def test_json_arrays_and_gzipped_json_lines_stream_the_same_documents(tmp_path, small_tokenizer):
+    paths = write_jsonl_shards(tmp_path / "d", [7])
+    records = [json.loads(line) for line in open(paths[0], encoding="utf-8")]
+    (tmp_path / "a.json").write_text(json.dumps(records[:3] + [{"text": None}] + records[3:]))
+    with gzip.open(tmp_path / "g.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    got = {}
+    for name in ("a.json", "g.jsonl.gz", paths[0]):
+        ts = make([SourceSpec(files=[str(tmp_path / name)])], small_tokenizer, num_streams=1, shuffle=False)
+        result = steps(ts, 12)[0]
+        got[name] = doc_tags(stream_tokens(result, ts)[0], small_tokenizer)[:7]
+        epoch, skipped = result[-1].epoch, result[-1].skipped_docs  # one bad record per pass in a.json
+        assert skipped in ((epoch, epoch + 1) if name == "a.json" else (0,))
+    assert got["a.json"] == got["g.jsonl.gz"] == got[paths[0]] == [f"shard0.{k}" for k in range(7)]
 
 
 def test_pretokenized_shards_stream_like_the_text(tmp_path, small_tokenizer):

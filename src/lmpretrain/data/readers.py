@@ -106,32 +106,37 @@ def next_start(path: str, offset: int, end: int, separator: str | None, line_rec
     so documents are never split between pieces. None when there is none in reach.
     """
     sep = None if line_records else separator
+    limit = min(end - offset + 1, SCAN_LIMIT)
+    buf = b""
     with open(path, "rb") as f:
         f.seek(offset - 1)  # from the byte before: `offset` may itself be a line start
-        buf = f.read(min(end - offset + 1, SCAN_LIMIT))
+        while len(buf) < limit:  # read on only as far as the boundary is
+            more = f.read(min(CHUNK, limit - len(buf)))
+            if not more:
+                break
+            buf += more
+            found = _boundary(buf, sep, line_records)
+            if found is not None:
+                return offset - 1 + found if offset - 1 + found < end else None
+    if line_records or sep is not None or len(buf) < 2:
+        return None
+    i = 1  # plain text, one line longer than the scan: cut between two characters
+    while i < len(buf) and buf[i] & 0xC0 == 0x80:
+        i += 1
+    return offset - 1 + i if offset - 1 + i < end else None
+
+
+def _boundary(buf: bytes, sep: str | None, line_records: bool) -> int | None:
+    """Index in buf (buf[0] is the byte before the scanned offset) of the first line or document start."""
     if sep is None:
         i = buf.find(b"\n")
-        if i >= 0:
-            found = offset + i
-        elif line_records:
-            return None
-        else:  # one line longer than the scan: cut between two characters
-            i = 1
-            while i < len(buf) and buf[i] & 0xC0 == 0x80:
-                i += 1
-            found = offset - 1 + i
-    elif sep == BLANK_LINES:
+        return None if i < 0 else i + 1
+    if sep == BLANK_LINES:
         m = _BLANK_LINE.search(buf)
-        if m is None:
-            return None
-        found = offset - 1 + m.end()
-    else:
-        pattern = sep.encode()
-        i = buf.find(pattern, 1)
-        if i < 0:
-            return None
-        found = offset - 1 + i + len(pattern)
-    return found if found < end else None
+        return None if m is None else m.end()
+    pattern = sep.encode()
+    i = buf.find(pattern, 1)
+    return None if i < 0 else i + len(pattern)
 
 
 # ---- text files ---------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ _PARQUET_BATCH = 256
 
 
 class Unit(NamedTuple):
-    """A document or part of one. `after` is the position right after it; `last` says the piece's reader
-    must not be interrupted before it (end of a document, or of the piece)."""
+    """A document or part of one. `after` is the position right after it. `last`: it ends a segment (its
+    document, or the piece's part of one), so another source or document may follow it in the stream."""
 
     value: Any  # str, or a numpy int array for pre-tokenized sources
     bos: bool  # starts a document
@@ -351,6 +351,10 @@ def read_json_array(path: str, at: list[int] | None, field: str) -> Iterator[Uni
             raise DataError(
                 f"{path}: not valid JSON ({e}); JSON Lines (one object per line) are read record by record"
             ) from e
+    if not isinstance(records, list):
+        raise DataError(
+            f"{path}: holds a JSON {type(records).__name__}, not an array of records or JSON Lines"
+        )
     for i in range(at[0] if at else 0, len(records)):
         value, why = _record_text(records[i], field)
         yield Bad(path, None, i, why, [i + 1]) if why else Unit(value, True, True, True, [i + 1])

@@ -451,3 +451,14 @@ def test_fingerprint_and_state_are_plain_data(tmp_path, small_tokenizer):
     assert {"window", "emitted", "docs"} == set(stream) and len(stream["docs"]["start"]["sources"]) == 1
     position = stream["docs"]["start"]["sources"][0]
     assert set(position) == {"epoch", "slot", "at", "segment", "seen", "skipped"}
+
+
+def test_bad_held_out_records_are_skipped_and_reported(tmp_path, small_tokenizer, caplog):
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"text": "<e0> alpha"}\n{"text": "<e1\n{"text": "<e2> beta"}\n')
+    with caplog.at_level(logging.WARNING):
+        blocks = heldout_blocks(
+            DataConfig(eval=[SourceSpec(files=[str(path)])], seq_len=4), small_tokenizer, num_blocks=2
+        )
+    assert doc_tags(blocks.flatten().tolist(), small_tokenizer) == ["e0"]
+    assert f"skipping a bad record at {path} line 2: malformed JSON" in caplog.text

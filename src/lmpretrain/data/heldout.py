@@ -3,6 +3,7 @@ documents ([BOS] ids EOS), so eval loss is measured on the same kind of token st
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,6 +18,8 @@ from lmpretrain.progress import bar
 
 if TYPE_CHECKING:
     from lmpretrain.config import DataConfig
+
+logger = logging.getLogger(__name__)
 
 _BATCH_UNITS, _BATCH_CHARS = 64, 1 << 16  # units tokenized per batch
 
@@ -47,6 +50,8 @@ def heldout_blocks(data: DataConfig, tokenizer, *, num_blocks: int, progress: bo
                     have += len(array)
                 shown.update(min(have, need) // data.seq_len - shown.n)
             cursor.close()
+            for _, report in cursor.notes:  # bad records of held-out sources are skipped and said too
+                logger.warning(report)
             if have >= need:
                 break
     if have < need:

@@ -233,32 +233,14 @@ def make_parquet(path: Path, gb: float) -> Path:
 # ---- the recipe's peak RSS on a big single file ------------------------------------------------------------------
 
 
-def recipe_peak_rss(path: Path, out: Path, steps: int) -> dict:
-    cmd = [
-        str(Path(sys.executable).with_name("accelerate")),
-        "launch",
-        "--config_file",
-        str(ROOT / "configs/accelerate/cpu.yaml"),
-        str(ROOT / "recipes/pretrain.py"),
-        str(ROOT / "configs/smoke.yaml"),
-        f"--run.output_dir={out}",
-        "--run.resume=never",
-        "--run.overwrite=true",
-        f"--data.train=[{{files: [{path}]}}]",
-        "--data.num_streams=8",
-        f"--train.max_steps={steps}",
-        "--checkpoint.every=0",
-        "--eval.every=0",
-        "--eval.batches=1",
-        "--eval.sample_tokens=0",
-        "--logging.wandb_mode=disabled",
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {
-        "peak_rss_mb": max(r.get("perf/peak_mem_bytes", 0) for r in rows) / 2**20,
-        "command": " ".join(cmd),
-    }
+def recipe_peak_rss(path: Path, steps: int) -> dict:
+    """Peak RSS of the real recipe (smoke model, 8 streams) training on one text file; benchmark.py runs it."""
+    from benchmark import recipe  # scripts/benchmark.py, next to this file
+
+    overrides = [f"--data.train=[{{files: [{path}]}}]", "--data.num_streams=8", "--eval.batches=1"]
+    overrides.append("--logging.wandb_mode=disabled")
+    result = recipe(str(ROOT / "configs/smoke.yaml"), overrides, steps=steps, warmup=2)
+    return {"peak_rss_mb": result["peak_rss_bytes"] / 2**20, "overrides": " ".join(overrides)}
 
 
 # ---- mixing ----------------------------------------------------------------------------------------------------
@@ -398,12 +380,12 @@ def main() -> None:
         big, small = make_text(work / "big.txt", 210), make_text(work / "small.txt", 21)
         for path in (big, small):
             loader = run_child("loader-rss", str(path), str(args.rss_steps))
-            recipe = recipe_peak_rss(path, work / f"run-{path.stem}", args.rss_steps)
+            recipe = recipe_peak_rss(path, args.rss_steps)
             print(
                 f"peak RSS, {path.stat().st_size / 1e6:,.0f} MB single text file, 8 streams, {args.rss_steps} steps: "
                 f"recipe {recipe['peak_rss_mb']:,.0f} MB, loader alone {loader['peak_rss_mb']:,.0f} MB"
             )
-        print(f"recipe command: {recipe['command']}")
+        print(f"recipe: scripts/benchmark.py's run of configs/smoke.yaml {recipe['overrides']}")
     if "mixing" in args.what:
         if args.rows:
             import numpy as np

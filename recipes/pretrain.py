@@ -92,21 +92,15 @@ def train(cfg, cleanup: ExitStack) -> None:
     if deepspeed:
         say(f"[lmpretrain] {precision.check_engine_weights(model)}")
     train_data = TrainStream(
-        cfg.data.train,
-        tokenizer,
-        seq_len=cfg.data.seq_len,
-        num_streams=cfg.data.num_streams,
-        rows_per_step=global_batch,
-        rank=info.rank,
-        world_size=W,
-        num_workers=cfg.data.num_workers,
-        seed=cfg.run.seed,
-        shuffle=cfg.data.shuffle,
-        shuffle_window=cfg.data.shuffle_window,
+        cfg.data, tokenizer, blocks_per_step=global_batch, rank=info.rank, world_size=W, seed=cfg.run.seed
     )
     cleanup.callback(train_data.close)
+    say(f"[lmpretrain] {train_data.describe()}")
     eval_blocks = heldout_blocks(
-        cfg.data.eval, tokenizer, seq_len=cfg.data.seq_len, num_blocks=cfg.eval.batches * cfg.eval.batch_size
+        cfg.data,
+        tokenizer,
+        num_blocks=cfg.eval.batches * cfg.eval.batch_size,
+        progress=accelerator.is_main_process,
     )
     fingerprint = {
         **train_data.fingerprint(),

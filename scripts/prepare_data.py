@@ -3,8 +3,9 @@
     python scripts/prepare_data.py --builtin python-stdlib --tokenizer builtin:python-stdlib --out data/stdlib-tok
     # then, in the config:  data.train: [{files: [data/stdlib-tok], format: tokens}]
 
-One output shard per input shard and one row per record, so the tokens source streams exactly the
-blocks the text source would (same seed, streams, world size); EOS is still appended when streaming.
+One output file per input file and one row per record (or part of a text document), so the tokens source
+streams the blocks the text source would (same seed, streams, world size) whenever the source has at least
+data.num_streams files; BOS/EOS are added when streaming.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from lmpretrain.data import SourceSpec
 from lmpretrain.data.prepare import pretokenize
 from lmpretrain.data.sources import TOKENS_META
-from lmpretrain.errors import DataError
+from lmpretrain.errors import UserError
 from lmpretrain.tokenizer import load_tokenizer
 
 
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--format", choices=["text", "json", "parquet"])
     parser.add_argument(
+        "--separator", help="text files: documents end at this string, or at blank lines with 'blank_lines'"
+    )
+    parser.add_argument(
         "--tokenizer", default="builtin:python-stdlib", help="local dir, Hub id or builtin:..."
     )
     parser.add_argument("--out", required=True)
@@ -48,17 +52,18 @@ def main(argv: list[str] | None = None) -> int:
         split=args.split,
         format=args.format,
         text_field=args.text_field,
+        separator=args.separator,
     )
     start = time.time()
     try:
         shards = pretokenize(spec, load_tokenizer(args.tokenizer), args.out)
-    except (DataError, ValueError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = json.loads((Path(args.out) / TOKENS_META).read_text())
     print(
         f"wrote {len(shards)} shards to {args.out} in {time.time() - start:.1f}s: {meta['documents']:,} documents, "
-        f"{meta['tokens']:,} tokens (tokenizer {meta['tokenizer_hash']})"
+        f"{meta['tokens']:,} tokens, {meta['bad']:,} bad records as empty rows (tokenizer {meta['tokenizer_hash']})"
     )
     print(f"use it as a source: {{files: [{args.out}], format: tokens}}")
     return 0

@@ -12,18 +12,22 @@ import time
 from collections.abc import Iterator
 
 from lmpretrain.data import SourceSpec, open_source
-from lmpretrain.errors import DataError
+from lmpretrain.data.readers import Unit
+from lmpretrain.errors import UserError
+from lmpretrain.progress import announce
 from lmpretrain.tokenizer import train_bpe
 
 
 def texts_of(spec: SourceSpec, max_docs: int | None) -> Iterator[str]:
+    """Text of every file in order (long text documents in parts); bad records are left out."""
     source = open_source(spec)
+    announce(f"reading {source.summary(1)}")
     n = 0
-    for shard in range(source.n_shards):
-        for value in source.iter_shard(shard):
-            if isinstance(value, str) and value:
-                yield value
-                n += 1
+    for piece in source.pieces(1):
+        for item in source.read(piece, None):
+            if isinstance(item, Unit) and item.value:
+                yield item.value
+                n += item.eos
                 if max_docs is not None and n >= max_docs:
                     return
 
@@ -41,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--format", choices=["text", "json", "parquet"], help="default: from the file extension"
     )
+    parser.add_argument(
+        "--separator", help="text files: documents end at this string, or at blank lines with 'blank_lines'"
+    )
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--max-docs", type=int, help="train on at most this many documents")
     parser.add_argument("--out", required=True, help="output folder (save_pretrained)")
@@ -49,12 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     spec = (
         SourceSpec(name=args.builtin, split="train")
         if args.builtin
-        else SourceSpec(files=args.files, format=args.format, text_field=args.text_field)
+        else SourceSpec(
+            files=args.files, format=args.format, text_field=args.text_field, separator=args.separator
+        )
     )
     start = time.time()
     try:
         tok = train_bpe(texts_of(spec, args.max_docs), args.vocab_size, args.out)
-    except DataError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     example = "def greet(name):\n    return f'hello {name}'\n"

@@ -2,83 +2,23 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
-import re
 from collections import Counter
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import write_jsonl_shards
+from data_helpers import by_stream, doc_tags, expected_tokens, make, steps, stream_tokens
 from transformers import PreTrainedTokenizerFast
 
-from lmpretrain.data import SourceSpec, TrainStream, heldout_blocks, merge_stream_states
+from lmpretrain.config import DataConfig
+from lmpretrain.data import SourceSpec, heldout_blocks, merge_data_states
 from lmpretrain.data.prepare import pretokenize
 from lmpretrain.errors import DataError
-
-TAG = re.compile(r"<([^>]+)>")
-
-
-def make(sources, tok, **kw) -> TrainStream:
-    args = dict(
-        seq_len=16,
-        num_streams=4,
-        rows_per_step=4,
-        rank=0,
-        world_size=1,
-        num_workers=0,
-        seed=0,
-        shuffle=True,
-        shuffle_window=4,
-    )
-    args.update(kw)
-    return TrainStream(sources, tok, **args)
-
-
-def steps(ts: TrainStream, n: int, it=None):
-    it = it if it is not None else iter(ts)
-    return [next(it) for _ in range(n)], it
-
-
-def by_stream(rows: torch.Tensor, ts: TrainStream) -> dict[int, torch.Tensor]:
-    out, i = {}, 0
-    for s in ts.owned:
-        out[s] = rows[i : i + ts.counts[s]]
-        i += ts.counts[s]
-    return out
-
-
-def stream_tokens(results, ts: TrainStream) -> dict[int, list[int]]:
-    """Each stream's tokens in order, over several steps."""
-    out = {s: [] for s in ts.owned}
-    for r in results:
-        for s, rows in by_stream(r.input_ids, ts).items():
-            out[s] += rows.flatten().tolist()
-    return out
-
-
-def doc_tags(tokens: list[int], tok) -> list[str]:
-    """Split a token stream at EOS and return the tag of each complete document."""
-    tags, cur = [], []
-    for t in tokens:
-        if t == tok.eos_token_id:
-            tags.append(TAG.match(tok.decode(cur)).group(1))
-            cur = []
-        else:
-            cur.append(t)
-    return tags
-
-
-def expected_tokens(paths, tok) -> list[int]:
-    out = []
-    for p in paths:
-        for line in open(p, encoding="utf-8"):
-            out += tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    return out
-
 
 # ---- packing -------------------------------------------------------------------------------------------
 
@@ -89,7 +29,8 @@ def test_packing_is_exact_including_a_document_longer_than_many_blocks(tmp_path,
         f.write(json.dumps({"text": "<long> " + "alpha beta gamma " * 300}) + "\n")
     want = expected_tokens(paths, small_tokenizer)
     assert small_tokenizer("x y", add_special_tokens=False)["input_ids"][0] != small_tokenizer.bos_token_id
-    ts = make([SourceSpec(files=paths)], small_tokenizer, num_streams=1, rows_per_step=3, shuffle=False)
+    ts = make([SourceSpec(files=paths)], small_tokenizer, num_streams=1, blocks_per_step=3, shuffle=False)
+    assert want.count(small_tokenizer.bos_token_id) == 9  # BOS before each document (the default here)
     n_steps = len(want) // (3 * 16) + 2  # past the end of the epoch: the next epoch continues the stream
     got = torch.cat([r.input_ids for r in steps(ts, n_steps)[0]]).flatten().tolist()
     assert got[: len(want)] == want
@@ -113,7 +54,7 @@ def test_two_ranks_two_workers_cover_an_epoch_disjointly(tmp_path, small_tokeniz
                 [SourceSpec(files=paths)],
                 small_tokenizer,
                 num_streams=8,
-                rows_per_step=8,
+                blocks_per_step=8,
                 rank=rank,
                 world_size=2,
                 num_workers=2,
@@ -135,13 +76,13 @@ def test_two_ranks_two_workers_cover_an_epoch_disjointly(tmp_path, small_tokeniz
     assert set(seen) == all_tags
 
 
-def test_same_global_rows_for_one_rank_two_workers_and_two_ranks(tmp_path, small_tokenizer):
+def test_same_global_blocks_for_one_rank_two_workers_and_two_ranks(tmp_path, small_tokenizer):
     paths = write_jsonl_shards(tmp_path / "d", [6, 4, 9, 3, 5])
-    one = make([SourceSpec(files=paths)], small_tokenizer, rows_per_step=6, num_workers=2)
+    one = make([SourceSpec(files=paths)], small_tokenizer, blocks_per_step=6, num_workers=2)
     ref = [by_stream(r.input_ids, one) for r in steps(one, 12)[0]]
     one.close()
     ranks = [
-        make([SourceSpec(files=paths)], small_tokenizer, rows_per_step=6, rank=p, world_size=2)
+        make([SourceSpec(files=paths)], small_tokenizer, blocks_per_step=6, rank=p, world_size=2)
         for p in range(2)
     ]
     got = [[by_stream(r.input_ids, ts) for r in steps(ts, 12)[0]] for ts in ranks]
@@ -149,7 +90,7 @@ def test_same_global_rows_for_one_rank_two_workers_and_two_ranks(tmp_path, small
         merged = {**got[0][t], **got[1][t]}
         assert sorted(merged) == sorted(ref[t])
         assert all(torch.equal(merged[s], ref[t][s]) for s in ref[t])
-        as_rows = lambda d: Counter(tuple(row.tolist()) for rows in d.values() for row in rows)  # noqa: E731
+        as_rows = lambda d: Counter(tuple(b.tolist()) for blocks in d.values() for b in blocks)  # noqa: E731
         assert as_rows(merged) == as_rows(ref[t])
     assert sum(len(rows) for rows in ref[0].values()) == 6  # c_s = 2,2,1,1
 
@@ -181,7 +122,15 @@ def test_resume_is_exact_with_shuffle_uneven_shards_and_epoch_boundary(tmp_path,
         tmp_path / "d", [1, 7, 2, 5, 3, 2]
     )  # uneven: streams own 1 or 2 shards of 1-7 docs
     ref = _check_resume(
-        lambda: make([SourceSpec(files=paths)], small_tokenizer, num_workers=workers, rows_per_step=5), 23, 40
+        lambda: make(
+            [SourceSpec(files=paths)],
+            small_tokenizer,
+            num_workers=workers,
+            blocks_per_step=5,
+            doc_shuffle_window=3,
+        ),
+        23,
+        40,
     )
     assert ref[0].epoch == 0 and ref[-1].epoch >= 1, "the resumed span must cross an epoch boundary"
 
@@ -194,7 +143,7 @@ def test_resume_is_exact_with_mixing_and_mid_window_positions(tmp_path, small_to
             lambda: make(
                 [SourceSpec(files=a, weight=2.0), SourceSpec(files=b)],
                 small_tokenizer,
-                rows_per_step=4,
+                blocks_per_step=4,
                 shuffle_window=5,
             ),
             n,
@@ -205,29 +154,29 @@ def test_resume_is_exact_with_mixing_and_mid_window_positions(tmp_path, small_to
 def test_resume_onto_a_different_world_size(tmp_path, small_tokenizer):
     paths = write_jsonl_shards(tmp_path / "d", [6, 4, 9, 3, 5, 7])
     src = [SourceSpec(files=paths)]
-    single = make(src, small_tokenizer, rows_per_step=6, num_workers=2)
+    single = make(src, small_tokenizer, blocks_per_step=6, num_workers=2)
     ref = [r.input_ids for r in steps(single, 25)[0]]
     single.close()
     states = []
     for p in range(2):
-        ts = make(src, small_tokenizer, rows_per_step=6, rank=p, world_size=2)
+        ts = make(src, small_tokenizer, blocks_per_step=6, rank=p, world_size=2)
         steps(ts, 15)
         states.append(ts.state_dict())
-    resumed = make(src, small_tokenizer, rows_per_step=6, num_workers=2)
-    resumed.load_state_dict(merge_stream_states(states))
+    resumed = make(src, small_tokenizer, blocks_per_step=6, num_workers=2)
+    resumed.load_state_dict(merge_data_states(states))
     got = [r.input_ids for r in steps(resumed, 10)[0]]
     resumed.close()
     assert all(torch.equal(a, b) for a, b in zip(ref[15:], got, strict=True))
     with pytest.raises(DataError, match="lacks streams"):
-        make(src, small_tokenizer, rows_per_step=6).load_state_dict(states[0])
+        make(src, small_tokenizer, blocks_per_step=6).load_state_dict(states[0])
     with pytest.raises(DataError, match="num_streams"):
-        make(src, small_tokenizer, rows_per_step=6, num_streams=2).load_state_dict(states[0])
+        make(src, small_tokenizer, blocks_per_step=6, num_streams=2).load_state_dict(states[0])
 
 
 def test_restore_reads_one_window_not_the_consumed_stream(tmp_path, small_tokenizer):
     paths = write_jsonl_shards(tmp_path / "d", [600, 600])
     src = [SourceSpec(files=paths)]
-    kw = dict(num_streams=1, rows_per_step=4, shuffle_window=4)
+    kw = dict(num_streams=1, blocks_per_step=4, shuffle_window=4)
     reads = {}
     for n in (5, 400):
         ts = make(src, small_tokenizer, **kw)
@@ -246,14 +195,15 @@ def test_restore_reads_one_window_not_the_consumed_stream(tmp_path, small_tokeni
 # ---- shuffling and mixing -------------------------------------------------------------------------------
 
 
-def test_epochs_reshuffle_the_shard_order(tmp_path, small_tokenizer):
+def test_epochs_reshuffle_the_piece_order(tmp_path, small_tokenizer):
     paths = write_jsonl_shards(tmp_path / "d", [2] * 16)
     ts = make(
         [SourceSpec(files=paths)],
         small_tokenizer,
         num_streams=2,
-        rows_per_step=2,
+        blocks_per_step=2,
         shuffle_window=1,
+        doc_shuffle_window=1,  # no document shuffle: what changes between epochs is the piece order
         seq_len=32,
     )
     tokens = {0: [], 1: []}
@@ -272,7 +222,13 @@ def test_window_shuffle_permutes_blocks_within_windows_and_is_seeded(tmp_path, s
 
     def rows(**kw):
         ts = make(
-            [SourceSpec(files=paths)], small_tokenizer, num_streams=1, rows_per_step=8, shuffle_window=8, **kw
+            [SourceSpec(files=paths)],
+            small_tokenizer,
+            num_streams=1,
+            blocks_per_step=8,
+            shuffle_window=8,
+            doc_shuffle_window=1,  # documents in file order: only blocks move
+            **kw,
         )
         return torch.cat([r.input_ids for r in steps(ts, 4)[0]])  # 4 complete windows
 
@@ -290,7 +246,7 @@ def test_mixing_is_deterministic_and_follows_weights(tmp_path, small_tokenizer):
     src = [SourceSpec(files=a, weight=3.0), SourceSpec(files=b, weight=1.0)]
     runs = []
     for _ in range(2):
-        ts = make(src, small_tokenizer, num_streams=2, rows_per_step=8, shuffle=False, seq_len=64)
+        ts = make(src, small_tokenizer, num_streams=2, blocks_per_step=8, shuffle=False, seq_len=64)
         runs.append(steps(ts, 40)[0])
     assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(*runs, strict=True))
     tags = [t for tokens in stream_tokens(runs[0], ts).values() for t in doc_tags(tokens, small_tokenizer)]
@@ -308,10 +264,13 @@ def test_text_files_are_one_document_per_file(tmp_path, small_tokenizer):
     for i, t in enumerate(texts):
         (folder / f"m{i}.py").write_text(t)
     ts = make(
-        [SourceSpec(files=[str(folder)])], small_tokenizer, num_streams=1, rows_per_step=1, shuffle=False
+        [SourceSpec(files=[str(folder)])], small_tokenizer, num_streams=1, blocks_per_step=1, shuffle=False
     )
     tokens = torch.cat([r.input_ids for r in steps(ts, 12)[0]]).flatten().tolist()
-    want = [t for x in texts for t in small_tokenizer(x, add_special_tokens=False)["input_ids"] + [1]]
+    bos, eos = small_tokenizer.bos_token_id, small_tokenizer.eos_token_id
+    want = [
+        t for x in texts for t in [bos] + small_tokenizer(x, add_special_tokens=False)["input_ids"] + [eos]
+    ]
     assert tokens[: len(want)] == want
 
 
@@ -325,12 +284,28 @@ def test_parquet_source_with_a_custom_text_field(tmp_path, small_tokenizer):
         [SourceSpec(files=[str(tmp_path / "*.parquet")], text_field="content")],
         small_tokenizer,
         num_streams=2,
-        rows_per_step=2,
+        blocks_per_step=2,
         shuffle=False,
     )
     tokens = stream_tokens(steps(ts, 8)[0], ts)
     assert doc_tags(tokens[0], small_tokenizer)[:2] == ["p0.0", "p0.1"]
     assert doc_tags(tokens[1], small_tokenizer)[:2] == ["p1.0", "p1.1"]
+
+
+def test_json_arrays_and_gzipped_json_lines_stream_the_same_documents(tmp_path, small_tokenizer):
+    paths = write_jsonl_shards(tmp_path / "d", [7])
+    records = [json.loads(line) for line in open(paths[0], encoding="utf-8")]
+    (tmp_path / "a.json").write_text(json.dumps(records[:3] + [{"text": None}] + records[3:]))
+    with gzip.open(tmp_path / "g.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    got = {}
+    for name in ("a.json", "g.jsonl.gz", paths[0]):
+        ts = make([SourceSpec(files=[str(tmp_path / name)])], small_tokenizer, num_streams=1, shuffle=False)
+        result = steps(ts, 12)[0]
+        got[name] = doc_tags(stream_tokens(result, ts)[0], small_tokenizer)[:7]
+        epoch, skipped = result[-1].epoch, result[-1].skipped_docs  # one bad record per pass in a.json
+        assert skipped in ((epoch, epoch + 1) if name == "a.json" else (0,))
+    assert got["a.json"] == got["g.jsonl.gz"] == got[paths[0]] == [f"shard0.{k}" for k in range(7)]
 
 
 def test_pretokenized_shards_stream_like_the_text(tmp_path, small_tokenizer):
@@ -339,7 +314,7 @@ def test_pretokenized_shards_stream_like_the_text(tmp_path, small_tokenizer):
         f.write(json.dumps({"text": ""}) + "\n")
     out = pretokenize(SourceSpec(files=paths), small_tokenizer, tmp_path / "tok")
     assert len(out) == 3
-    kw = dict(num_streams=2, rows_per_step=4)
+    kw = dict(num_streams=2, blocks_per_step=4)
     text = [r for r in steps(make([SourceSpec(files=paths)], small_tokenizer, **kw), 15)[0]]
     toks = [
         r
@@ -348,7 +323,7 @@ def test_pretokenized_shards_stream_like_the_text(tmp_path, small_tokenizer):
         )[0]
     ]
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(text, toks, strict=True))
-    assert text[-1].skipped_docs == toks[-1].skipped_docs == 1
+    assert text[-1].skipped_docs == toks[-1].skipped_docs >= 1
     other = PreTrainedTokenizerFast(tokenizer_object=small_tokenizer.backend_tokenizer, eos_token="<|bos|>")
     with pytest.raises(DataError, match="another tokenizer"):
         make([SourceSpec(files=[str(tmp_path / "tok")], format="tokens")], other)
@@ -360,11 +335,18 @@ def test_pretokenized_shards_stream_like_the_text(tmp_path, small_tokenizer):
 def test_heldout_blocks_are_the_first_blocks_in_order(tmp_path, small_tokenizer):
     paths = write_jsonl_shards(tmp_path / "v", [4, 4])
     want = expected_tokens(paths, small_tokenizer)
-    blocks = heldout_blocks([SourceSpec(files=paths)], small_tokenizer, seq_len=8, num_blocks=5)
+    data = DataConfig(eval=[SourceSpec(files=paths)], seq_len=8)
+    blocks = heldout_blocks(data, small_tokenizer, num_blocks=5)
     assert blocks.shape == (5, 8) and blocks.dtype == torch.long
     assert blocks.flatten().tolist() == want[:40]
+    assert heldout_blocks(data, small_tokenizer, num_blocks=5).equal(blocks)
+    no_bos = DataConfig(eval=[SourceSpec(files=paths)], seq_len=8, add_bos=False)
+    assert (
+        heldout_blocks(no_bos, small_tokenizer, num_blocks=5).flatten().tolist()
+        == expected_tokens(paths, small_tokenizer, bos=False)[:40]
+    )
     with pytest.raises(DataError, match="lower eval.batches"):
-        heldout_blocks([SourceSpec(files=paths)], small_tokenizer, seq_len=8, num_blocks=10_000)
+        heldout_blocks(data, small_tokenizer, num_blocks=10_000)
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
@@ -397,17 +379,6 @@ def test_missing_text_field(tmp_path, small_tokenizer):
         make([SourceSpec(files=paths)], small_tokenizer)
 
 
-def test_non_utf8_files_name_the_file(tmp_path, small_tokenizer):
-    (tmp_path / "ok.txt").write_text("<ok> fine\n")
-    (tmp_path / "bad.txt").write_bytes(b"<bad> caf\xe9 latin-1\n")
-    ts = make([SourceSpec(files=[str(tmp_path / "*.txt")])], small_tokenizer, num_streams=1, rows_per_step=1)
-    with pytest.raises(DataError, match=r"bad\.txt.*not valid UTF-8"):
-        next(iter(ts))
-    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
-    with pytest.raises(DataError, match="not valid UTF-8"):  # raised on opening or on the first read
-        next(iter(make([SourceSpec(files=[str(tmp_path / "bad.jsonl")])], small_tokenizer, num_streams=1)))
-
-
 def test_tokenizer_without_eos_is_refused(tmp_path, small_tokenizer):
     no_eos = PreTrainedTokenizerFast(tokenizer_object=small_tokenizer.backend_tokenizer)
     paths = write_jsonl_shards(tmp_path / "d", [3])
@@ -424,37 +395,40 @@ def test_bad_records_are_skipped_counted_and_logged_once(tmp_path, small_tokeniz
         {"text": "<g1> beta"},
         {"text": 5},
         {"text": "<g2> gamma"},
+        {"text": "<g3> delta"},
+        {"text": "<g4> epsilon"},
     ]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     ts = make(
         [SourceSpec(files=[str(path)])],
         small_tokenizer,
         num_streams=1,
-        rows_per_step=1,
+        blocks_per_step=1,
         shuffle=False,
         seq_len=4,
     )
     with caplog.at_level(logging.WARNING):
         rows = steps(ts, 12)[0]
     tokens = torch.cat([r.input_ids for r in rows]).flatten().tolist()
-    assert doc_tags(tokens, small_tokenizer)[:4] == ["g0", "g1", "g2", "g0"]
-    assert rows[-1].skipped_docs >= 3 and caplog.text.count("skipping bad records") == 1
+    assert doc_tags(tokens, small_tokenizer)[:6] == ["g0", "g1", "g2", "g3", "g4", "g0"]
+    assert rows[-1].skipped_docs >= 3 and caplog.text.count("skipping a bad record") == 1
+    assert f"{path} line 2: field 'text' is NoneType, not a string" in caplog.text
 
 
 def test_invalid_stream_layout_is_reported_with_the_config_names(tmp_path, small_tokenizer):
     paths = write_jsonl_shards(tmp_path / "d", [3])
-    with pytest.raises(DataError, match=r"data.num_streams \(6\).*processes \(4\)"):
-        make([SourceSpec(files=paths)], small_tokenizer, num_streams=6, world_size=4, rows_per_step=8)
-    with pytest.raises(DataError, match=r"data.num_workers \(3\)"):
+    with pytest.raises(DataError, match=r"data.num_streams=6 must be a multiple of the world size 4"):
+        make([SourceSpec(files=paths)], small_tokenizer, num_streams=6, world_size=4, blocks_per_step=8)
+    with pytest.raises(DataError, match=r"data.num_workers=3 exceeds the 2 streams"):
         make(
             [SourceSpec(files=paths)],
             small_tokenizer,
             num_streams=4,
             world_size=2,
             num_workers=3,
-            rows_per_step=2,
+            blocks_per_step=2,
         )
-    with pytest.raises(DataError, match="no data sources"):
+    with pytest.raises(DataError, match="data.train needs at least one source"):
         make([], small_tokenizer)
 
 
@@ -462,12 +436,29 @@ def test_fingerprint_and_state_are_plain_data(tmp_path, small_tokenizer):
     paths = write_jsonl_shards(tmp_path / "d", [3, 3])
     ts = make([SourceSpec(files=paths)], small_tokenizer)
     fp = ts.fingerprint()
-    assert {"sources", "tokenizer", "seq_len", "num_streams", "world_size", "num_workers"} <= set(fp)
+    assert {"sources", "tokenizer", "add_bos", "seq_len", "num_streams", "world_size", "num_workers"} <= set(
+        fp
+    )
+    assert fp["add_bos"] is True and fp["sources"][0]["expanded"]["count"] == 2
     json.dumps(fp)
     steps(ts, 3)
     state = ts.state_dict()
-    assert json.loads(json.dumps(state))["num_streams"] == 4
-    assert all(
-        isinstance(v, int) for st in state["streams"].values() for k, v in st.items() if k != "sources"
-    )
-    assert np.array(state["streams"][0]["sources"]).shape == (1, 4)
+    assert json.loads(json.dumps(state)) == {
+        **state,
+        "streams": {str(k): v for k, v in state["streams"].items()},
+    }
+    stream = state["streams"][0]
+    assert {"window", "emitted", "docs"} == set(stream) and len(stream["docs"]["start"]["sources"]) == 1
+    position = stream["docs"]["start"]["sources"][0]
+    assert set(position) == {"epoch", "slot", "at", "segment", "seen", "skipped"}
+
+
+def test_bad_held_out_records_are_skipped_and_reported(tmp_path, small_tokenizer, caplog):
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"text": "<e0> alpha"}\n{"text": "<e1\n{"text": "<e2> beta"}\n')
+    with caplog.at_level(logging.WARNING):
+        blocks = heldout_blocks(
+            DataConfig(eval=[SourceSpec(files=[str(path)])], seq_len=4), small_tokenizer, num_blocks=2
+        )
+    assert doc_tags(blocks.flatten().tolist(), small_tokenizer) == ["e0"]
+    assert f"skipping a bad record at {path} line 2: malformed JSON" in caplog.text

@@ -168,21 +168,7 @@ def test_first_steps_match_a_plain_pytorch_loop(tmp_path):
         ],
         milestones=[2],
     )
-    data = iter(
-        TrainStream(
-            cfg.data.train,
-            tokenizer,
-            seq_len=64,
-            num_streams=4,
-            rows_per_step=8,
-            rank=0,
-            world_size=1,
-            num_workers=0,
-            seed=seed,
-            shuffle=True,
-            shuffle_window=cfg.data.shuffle_window,
-        )
-    )
+    data = iter(TrainStream(cfg.data, tokenizer, blocks_per_step=8, rank=0, world_size=1, seed=seed))
     ref_losses = []
     for _ in range(steps):
         ids = next(data).input_ids

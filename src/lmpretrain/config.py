@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from lmpretrain.data.sources import SourceSpec
-from lmpretrain.errors import ConfigError, DataError
+from lmpretrain.data import SourceSpec, data_problems
+from lmpretrain.errors import ConfigError
 
 
 @dataclass
@@ -69,14 +69,18 @@ class DataConfig:
     num_streams: int = 8
     """Virtual data streams; fixed for a run so data order is independent of world size/workers."""
     shuffle: bool = True
-    """Per-epoch shard order + a window shuffle of packed blocks."""
+    """Piece order per epoch, a window shuffle of documents, then a window shuffle of packed blocks."""
     shuffle_window: int = 64
-    """Blocks per shuffle window (also the most a restore re-reads)."""
+    """Blocks per block-shuffle window (a restore re-reads at most this plus one document window)."""
+    doc_shuffle_window: int = 64
+    """Documents per document-shuffle window (and at most 8 KiB of text per document in a window): each
+    window's documents are permuted with the seed before packing."""
     document_masking: bool = False
     """Attention never crosses a document boundary inside a packed block, and positions restart at
     each document (block-causal mask, or flash-attention varlen through position_ids)."""
     add_bos: bool | None = None
-    """BOS before each document; null = true when the tokenizer has a BOS token distinct from EOS."""
+    """BOS before each document; null = true when the tokenizer has a BOS token distinct from EOS (the
+    builtin one has). Recorded in the resume fingerprint."""
 
 
 @dataclass
@@ -378,7 +382,6 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         "train.max_steps",
         "train.micro_batch_size",
         "train.grad_accum_steps",
-        "data.num_streams",
         "eval.batches",
         "eval.batch_size",
         "checkpoint.keep_last",
@@ -391,7 +394,6 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         if getattr(getattr(cfg, section), name) < 1:
             p.append(f"{key} must be >= 1")
     for key in (
-        "data.num_workers",
         "eval.every",
         "checkpoint.every",
         "run.threads",
@@ -404,8 +406,6 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             p.append(f"{key} must be >= 0")
-    if d.seq_len < 2:
-        p.append("data.seq_len must be >= 2 (a block needs an input and a next-token target)")
     if o.warmup_steps >= t.max_steps:
         p.append(f"optim.warmup_steps={o.warmup_steps} must be < train.max_steps={t.max_steps}")
     if not 0 < o.lr:
@@ -420,29 +420,7 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append("train.spike_sigma must be > 0")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append("optim.beta1 and optim.beta2 must be in [0, 1)")
-    if d.num_streams % world_size:
-        p.append(
-            f"data.num_streams={d.num_streams} must be a multiple of the world size {world_size} "
-            f"(each process owns num_streams/world_size streams); try --data.num_streams="
-            f"{world_size * max(1, -(-d.num_streams // world_size))}"
-        )
-    elif d.num_workers > d.num_streams // world_size:
-        p.append(
-            f"data.num_workers={d.num_workers} exceeds the {d.num_streams // world_size} streams each process "
-            f"owns (data.num_streams / world size); lower it or raise data.num_streams"
-        )
-    if d.shuffle_window < 1:
-        p.append("data.shuffle_window must be >= 1")
-    if not d.train:
-        p.append("data.train needs at least one source")
-    if not d.eval:
-        p.append("data.eval needs at least one held-out source (a separate split or file set)")
-    for section, sources in (("data.train", d.train), ("data.eval", d.eval)):
-        for i, source in enumerate(sources):
-            try:
-                source.validate()
-            except DataError as err:
-                p.append(f"{section}[{i}]: {err}")
+    p += data_problems(d, world_size)
     return p
 
 

@@ -1,9 +1,10 @@
 """The default corpus: the Python standard library's own source, one document per file.
 
 Every machine with Python has it, so the quickstart and the tests need no download. It is written
-once into the cache as JSONL shards (train split by file, ~2% validation) and reused after that.
-Building is safe when several processes start at once (file lock + temp dir + atomic rename +
-completion marker).
+once into the cache as JSONL shards (train split by file, ~2% validation) and reused after that, in a
+seeded random order across and within shards (files sorted by path would make every stream read one
+package after another: a curriculum, not i.i.d. data). Building is safe when several processes start at
+once (file lock + temp dir + atomic rename + completion marker).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import sys
 import sysconfig
@@ -22,10 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmpretrain.errors import DataError
+from lmpretrain.progress import announce, bar
 
 logger = logging.getLogger(__name__)
 
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2  # 2: documents in a seeded random order across and within shards
+CORPUS_SEED = 0
 COMPLETE_MARKER = "_COMPLETE"
 NUM_TRAIN_SHARDS = 32
 NUM_VALIDATION_SHARDS = 2
@@ -57,7 +61,11 @@ def build_once(final: Path, build: Callable[[Path], None]) -> Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            announce(f"waiting for another process to finish building {final}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if (final / COMPLETE_MARKER).exists():
                 return final
@@ -99,22 +107,33 @@ def is_validation(rel_path: str) -> bool:
     return int.from_bytes(digest, "little") % 1000 < VALIDATION_PER_MILLE
 
 
-def _balanced_shards(docs: list[dict], num_shards: int) -> list[list[dict]]:
-    """Greedy largest-first assignment so shards have about the same number of bytes."""
+def _shuffled_shards(docs: list[dict], num_shards: int, seed: int) -> list[list[dict]]:
+    """Documents in a seeded random order, each put in the shard with the fewest bytes so far (the few
+    very large ones first, so shards stay within ~10% of each other in size), then each shard shuffled."""
+    rng = random.Random(seed)
+    order = sorted(docs, key=lambda d: d["path"])
+    rng.shuffle(order)
+    limit = sum(len(d["text"]) for d in docs) / num_shards / 8
+    large = sorted((d for d in order if len(d["text"]) > limit), key=lambda d: -len(d["text"]))
     shards: list[list[dict]] = [[] for _ in range(num_shards)]
     sizes = [0] * num_shards
-    for doc in sorted(docs, key=lambda d: (-len(d["text"]), d["path"])):
+    for doc in large + [d for d in order if len(d["text"]) <= limit]:
         i = min(range(num_shards), key=lambda k: (sizes[k], k))
         shards[i].append(doc)
         sizes[i] += len(doc["text"])
-    return [sorted(shard, key=lambda d: d["path"]) for shard in shards]
+    for shard in shards:
+        rng.shuffle(shard)
+    return shards
 
 
 def _build_stdlib(out: Path, max_files: int | None = None) -> None:
     splits: dict[str, list[dict]] = {"train": [], "validation": []}
     skipped = {"not_utf8": 0, "empty": 0}
     files = stdlib_source_files()[:max_files]
+    announce(f"building the python-stdlib corpus from {len(files)} files (once; cached in {cache_root()})")
+    progress = bar(desc="reading the standard library", unit="file", total=len(files))
     for rel, path in files:
+        progress.update(1)
         try:
             text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:  # a few test fixtures use legacy encodings on purpose
@@ -124,8 +143,10 @@ def _build_stdlib(out: Path, max_files: int | None = None) -> None:
             skipped["empty"] += 1
             continue
         splits["validation" if is_validation(rel) else "train"].append({"text": text, "path": rel})
+    progress.close()
     manifest = {
         "version": CORPUS_VERSION,
+        "order_seed": CORPUS_SEED,
         "python": sys.version,
         "stdlib": sysconfig.get_paths()["stdlib"],
         "skipped": skipped,
@@ -133,7 +154,7 @@ def _build_stdlib(out: Path, max_files: int | None = None) -> None:
     }
     for split, num_shards in (("train", NUM_TRAIN_SHARDS), ("validation", NUM_VALIDATION_SHARDS)):
         docs = splits[split]
-        for i, shard in enumerate(_balanced_shards(docs, num_shards)):
+        for i, shard in enumerate(_shuffled_shards(docs, num_shards, CORPUS_SEED)):
             with open(out / f"{split}-{i:05d}-of-{num_shards:05d}.jsonl", "w", encoding="utf-8") as f:
                 for doc in shard:
                     f.write(json.dumps(doc, ensure_ascii=False) + "\n")

@@ -11,8 +11,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from lmpretrain.corpus import build_once, cache_root, ensure_stdlib_corpus, python_tag
+from lmpretrain.corpus import CORPUS_VERSION, build_once, cache_root, ensure_stdlib_corpus, python_tag
 from lmpretrain.errors import TokenizerError
+from lmpretrain.progress import announce, bars_enabled
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 BUILTIN_PREFIX = "builtin:"
@@ -21,7 +22,8 @@ _BUILTIN_TRAIN_BYTES = 6_000_000  # enough for a good 8k vocabulary; keeps the f
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE (special tokens bos/eos/pad = ids 0/1/2) and `save_pretrained` it to `out_dir`."""
+    """Train a byte-level BPE (special tokens bos/eos/pad = ids 0/1/2) and `save_pretrained` it to `out_dir`.
+    `tokenizers` draws its own progress bars (main process, not under CI)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -29,7 +31,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike)
         vocab_size=vocab_size,
         special_tokens=[BOS, EOS, PAD],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes: no unknown token
-        show_progress=False,
+        show_progress=bars_enabled(),
     )
     tok.train_from_iterator(texts, trainer=trainer)
     # No post-processor: encoding never adds BOS/EOS; the data packer appends EOS itself.
@@ -61,8 +63,18 @@ def ensure_builtin_tokenizer(name: str = "python-stdlib") -> Path:
             + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_TOKENIZERS)
         )
     vocab = BUILTIN_TOKENIZERS[name]
-    final = cache_root() / f"tokenizer-{name}-{python_tag()}-v{vocab}"
-    return build_once(final, lambda tmp: train_bpe(_stdlib_texts(_BUILTIN_TRAIN_BYTES), vocab, tmp))
+    # Named after the corpus version too: a rebuilt corpus must not meet a tokenizer trained on the old one.
+    final = cache_root() / f"tokenizer-{name}-{python_tag()}-c{CORPUS_VERSION}-v{vocab}"
+
+    def build(tmp: Path) -> None:
+        ensure_stdlib_corpus()
+        announce(
+            f"training the builtin tokenizer {name} ({vocab} tokens) on {_BUILTIN_TRAIN_BYTES / 1e6:.0f} MB of "
+            f"its corpus (once, ~10 s; cached in {cache_root()})"
+        )
+        train_bpe(_stdlib_texts(_BUILTIN_TRAIN_BYTES), vocab, tmp)
+
+    return build_once(final, build)
 
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:

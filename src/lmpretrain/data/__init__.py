@@ -1,16 +1,30 @@
-"""Streamed, tokenized, packed training data with an exact resumable position per virtual stream."""
+"""Streamed, tokenized, packed training data with an exact resumable position per virtual stream.
 
-from lmpretrain.data.loader import StepRows, TrainStream, heldout_blocks, merge_stream_states, rows_per_stream
+sources.py (what a source is, its pieces) -> readers.py (one piece from a position) -> cursor.py (a stream's
+position in a source) -> block_stream.py (one stream: document windows, packing, block windows) ->
+train_stream.py (a rank's blocks per step, workers, state); heldout.py (the eval set); encoder.py (text ->
+ids with the BOS/EOS contract); prepare.py (pre-tokenize).
+"""
+
+from lmpretrain.data.heldout import heldout_blocks
 from lmpretrain.data.sources import Source, SourceSpec, expand_files, open_source
+from lmpretrain.data.train_stream import (
+    StepBlocks,
+    TrainStream,
+    blocks_per_stream,
+    data_problems,
+    merge_data_states,
+)
 
 __all__ = [
     "Source",
     "SourceSpec",
-    "StepRows",
+    "StepBlocks",
     "TrainStream",
+    "blocks_per_stream",
+    "data_problems",
     "expand_files",
     "heldout_blocks",
-    "merge_stream_states",
+    "merge_data_states",
     "open_source",
-    "rows_per_stream",
 ]

@@ -1,27 +1,32 @@
-"""Data sources: a `SourceSpec` (builtin name, local files, or Hub id) opened as a 🤗 `datasets` stream.
+"""Data sources: a `SourceSpec` (builtin name, local files, or Hub id), opened and divided into pieces.
 
-Local files and Hub datasets take the same path: `load_dataset(..., streaming=True)` gives an
-`IterableDataset` with `n_shards`; one shard (`ds.shard(num_shards=n_shards, index=i)`) is the unit
-the virtual streams divide among themselves.
+Local files are read by our own small readers (data/readers.py): text and JSON Lines by byte offset,
+parquet by row group, so any position is reached without re-reading what lies before it. Hub datasets stay
+🤗 `datasets` streams (one piece per shard). A source is divided into pieces for `num_streams` streams:
+every file is one piece, except that a file holding more than 1/num_streams of the source's bytes is cut
+into byte ranges (row-group runs for parquet) at record or document starts, so one big file feeds every
+stream. Pieces depend only on the files and num_streams, never on the world size.
 """
 
 from __future__ import annotations
 
+import difflib
 import glob
+import hashlib
 import json
-import logging
+import math
 import os
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lmpretrain.data import readers
+from lmpretrain.data.readers import BLANK_LINES, Piece
 from lmpretrain.errors import DataError
-
-logger = logging.getLogger(__name__)
 
 TOKENS_FIELD = "input_ids"  # column of pre-tokenized parquet shards (scripts/prepare_data.py)
 TOKENS_META = "tokens_meta.json"
+MIN_PIECE_BYTES = 1 << 16  # files are not cut into pieces smaller than this
 _FORMATS = ("text", "json", "parquet", "tokens")
 _EXT_FORMATS = {
     ".json": "json",
@@ -41,6 +46,8 @@ class SourceSpec:
     split: str = "train"
     format: str | None = None  # "text" | "json" | "parquet" | "tokens"; inferred from extension when None
     text_field: str = "text"
+    separator: str | None = None  # text files: None = one document per file; "blank_lines" = documents
+    # end at whitespace-only lines; any other string (e.g. "<|endoftext|>", "\n") = documents end at it
     weight: float = 1.0  # mixing weight among train sources
 
     @property
@@ -63,6 +70,15 @@ class SourceSpec:
             raise DataError(f"source {self.label}: weight must be > 0, got {self.weight}")
         if isinstance(self.files, str):
             raise DataError(f"source files must be a list of paths/globs, got the string {self.files!r}")
+        if self.separator is not None:
+            if not isinstance(self.separator, str) or not self.separator:
+                raise DataError(f"source {self.label}: separator must be a non-empty string or null")
+            near = difflib.get_close_matches(self.separator, [BLANK_LINES], n=1, cutoff=0.75)
+            if near and self.separator != BLANK_LINES:
+                raise DataError(
+                    f"source {self.label}: separator {self.separator!r} is not the keyword {BLANK_LINES!r}; "
+                    f"write {BLANK_LINES!r} for documents separated by blank lines"
+                )
 
 
 def as_spec(source: SourceSpec | dict) -> SourceSpec:
@@ -114,115 +130,236 @@ def infer_format(files: list[str]) -> str:
     return formats.pop()
 
 
-@dataclass
-class Source:
-    """An opened source: the streaming dataset plus what is needed to read and describe its shards."""
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
 
-    spec: SourceSpec
-    dataset: Any  # datasets.IterableDataset
-    field: str
-    files: list[str] | None  # one file per shard when known (local files)
-    tokens: bool = False  # documents are token id lists (pre-tokenized), not text
+
+class Source:
+    """An opened source: its files (or Hub stream), how to cut it into pieces and how to read a piece."""
+
+    def __init__(self, spec: SourceSpec, fmt: str, files: list[str] | None = None, dataset: Any = None):
+        self.spec, self.format, self.dataset = spec, fmt, dataset
+        self.files = files or []
+        self.sizes = [os.path.getsize(f) for f in self.files]
+        self.tokens = fmt == "tokens"
+        self.field = TOKENS_FIELD if self.tokens else spec.text_field
+        self.json_arrays = [
+            fmt == "json" and f.endswith(".json") and readers.is_json_array(f) for f in self.files
+        ]
+        self.has_flags = self.tokens  # pre-tokenized text files carry doc_start/doc_end columns (all of them)
+        self._row_group_bytes: list[list[int]] = []
+        self._pieces: dict[int, list[Piece]] = {}
 
     @property
     def label(self) -> str:
         return self.spec.label
 
     @property
-    def n_shards(self) -> int:
-        return self.dataset.n_shards
+    def is_hub(self) -> bool:
+        return self.dataset is not None
 
-    def describe_shard(self, index: int) -> str:
-        if self.files and len(self.files) == self.n_shards:
-            return self.files[index]
-        return f"shard {index} of {self.label}"
+    def splittable(self, f: int) -> bool:
+        return not (self.files[f].endswith(".gz") or self.json_arrays[f])
 
-    def iter_shard(self, index: int, start: int = 0) -> Iterator[Any]:
-        """Values of the text (or token) field of shard `index`, from its `start`-th record on."""
-        unit = self.dataset.shard(num_shards=self.n_shards, index=index)
-        if start:
-            unit = unit.skip(start)
-        if self.dataset.features is not None:
-            unit = unit.select_columns([self.field])  # decode only the column we use
-        where = self.describe_shard(index)
-        try:
-            # `.iter` rather than `for record in unit`: inside a DataLoader worker, `IterableDataset.__iter__`
-            # splits the shards among workers itself, but each stream here owns its shards explicitly.
-            for batch in unit.iter(batch_size=16):
-                if self.field not in batch:
-                    raise DataError(
-                        f"{where}: records have no field {self.field!r} (fields: {sorted(batch)}); "
-                        f"set `text_field` of source {self.label}"
-                    )
-                yield from batch[self.field]
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"{where}: not valid UTF-8 ({e}); convert it to UTF-8 or remove it from the source"
-            ) from e
+    def pieces(self, num_streams: int) -> list[Piece]:
+        """The source's pieces for `num_streams` streams (cached): a function of the files and num_streams only."""
+        if num_streams not in self._pieces:
+            self._pieces[num_streams] = self._plan(num_streams)
+        return self._pieces[num_streams]
+
+    def _plan(self, num_streams: int) -> list[Piece]:
+        if self.is_hub:
+            return [Piece(i) for i in range(self.dataset.n_shards)]
+        total = sum(self.sizes)
+        pieces: list[Piece] = []
+        for f, size in enumerate(self.sizes):
+            if size == 0:
+                continue
+            k = max(1, min(math.ceil(num_streams * size / total), size // MIN_PIECE_BYTES))
+            if k == 1 or not self.splittable(f):
+                pieces.append(Piece(f))
+                continue
+            if self.format in ("parquet", "tokens"):
+                bounds = self._row_group_bounds(f, k)
+            else:
+                line_records = self.format == "json"
+                cuts = (
+                    readers.next_start(self.files[f], size * j // k, size, self.spec.separator, line_records)
+                    for j in range(1, k)
+                )
+                bounds = sorted({0, size, *(c for c in cuts if c is not None)})
+            pieces += [Piece(f, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+        return pieces
+
+    def _row_group_bounds(self, f: int, k: int) -> list[int]:
+        """Row-group indices that cut file f into <= k runs of about equal bytes."""
+        sizes = self._row_group_bytes[f]
+        total, bounds, acc = sum(sizes), [0], 0
+        for g, size in enumerate(sizes[:-1]):
+            acc += size
+            if acc >= total * len(bounds) / k:
+                bounds.append(g + 1)
+        return bounds + [len(sizes)]
+
+    def read(self, piece: Piece, at: list[int] | None):
+        """Units (and Bad records) of `piece` from position `at` (None: its start)."""
+        if self.is_hub:
+            n = self.dataset.n_shards
+            return readers.read_datasets_shard(
+                self.dataset, n, piece.file, at, self.field, self.describe(piece)
+            )
+        path = self.files[piece.file]
+        if self.format in ("parquet", "tokens"):
+            return readers.read_parquet(path, piece, at, self.field, self.tokens, self.has_flags)
+        if self.format == "json":
+            if self.json_arrays[piece.file]:
+                return readers.read_json_array(path, at, self.field)
+            return readers.read_json_lines(path, piece, at, self.field)
+        return readers.read_text(path, piece, self.sizes[piece.file], at, self.spec.separator)
+
+    def describe(self, piece: Piece) -> str:
+        if self.is_hub:
+            return f"shard {piece.file} of {self.label}"
+        path = self.files[piece.file]
+        if piece.end is None and piece.start == 0:
+            return path
+        unit = "row groups" if self.format in ("parquet", "tokens") else "bytes"
+        return f"{path} ({unit} {piece.start}-{piece.end})"
+
+    def summary(self, num_streams: int) -> str:
+        """What the source is and how it is read, for the start-up log."""
+        if self.is_hub:
+            return f"{self.label}: 🤗 datasets stream, {self.dataset.n_shards} shards (a restore re-streams its shard up to the position)"
+        kind = {
+            "text": {None: "one document per file", BLANK_LINES: "documents separated by blank lines"}.get(
+                self.spec.separator, f"documents separated by {self.spec.separator!r}"
+            ),
+            "json": f"JSON records, field {self.field!r}",
+            "parquet": f"parquet, column {self.field!r}",
+            "tokens": "pre-tokenized parquet",
+        }[self.format]
+        n = len(self.files)
+        return (
+            f"{self.label}: {self.format}, {n} file{'s' * (n != 1)}, {_mb(sum(self.sizes))}, {kind}; "
+            f"{len(self.pieces(num_streams))} pieces"
+        )
+
+    def fingerprint(self) -> dict:
+        """The spec plus the expanded file list (count, bytes, hash of names and sizes): files added under a glob count."""
+        listing = json.dumps([[f, s] for f, s in zip(self.files, self.sizes, strict=True)])
+        files = {
+            "count": len(self.files),
+            "bytes": sum(self.sizes),
+            "sha256": hashlib.sha256(listing.encode()).hexdigest()[:16],
+        }
+        return {**asdict(self.spec), "expanded": files}
 
 
 def open_source(spec: SourceSpec | dict) -> Source:
-    """Open a source as a streaming `IterableDataset`; checks files, format and field before any work."""
-    from datasets import load_dataset  # heavy import, only where data is really opened
-
+    """Open a source; checks files, format and field before any work."""
     spec = as_spec(spec)
-    files: list[str] | None = None
     if spec.hub:
-        try:
-            ds = load_dataset(spec.hub, spec.hub_config, split=spec.split, streaming=True)
-        except Exception as e:
-            raise DataError(
-                f"could not open Hub dataset {spec.hub!r} (config {spec.hub_config!r}, split "
-                f"{spec.split!r}): {type(e).__name__}: {e}. Check the id and the network, or use "
-                "local `files`"
-            ) from e
-        return _checked(Source(spec, ds, spec.text_field, None))
-
+        return _open_hub(spec)
     if spec.name:
         from lmpretrain.corpus import BUILTIN_DATASETS
 
         if spec.name not in BUILTIN_DATASETS:
             raise DataError(f"unknown builtin dataset {spec.name!r}; available: {sorted(BUILTIN_DATASETS)}")
-        files = BUILTIN_DATASETS[spec.name](spec.split)
-        fmt = "json"
+        files, fmt = BUILTIN_DATASETS[spec.name](spec.split), "json"
     else:
         files = expand_files(spec.files)
         fmt = spec.format or infer_format(files)
-    if all(os.path.getsize(f) == 0 for f in files):
+    if spec.separator is not None and fmt != "text":
+        raise DataError(f"source {spec.label}: separator applies to text files only, these are {fmt}")
+    source = Source(spec, fmt, files)
+    if not sum(source.sizes):
         raise DataError(f"source {spec.label}: empty corpus, all {len(files)} file(s) are empty")
-
-    field = spec.text_field
-    kwargs: dict[str, Any] = {}
-    builder = fmt
-    if fmt == "text":
-        kwargs["sample_by"] = "document"  # one document per file, not one per line
-        field = "text"
+    if fmt in ("parquet", "tokens"):
+        _check_parquet(source)
     elif fmt == "json":
-        kwargs["chunksize"] = 1 << 20  # bytes read per step; each open stream holds one chunk (flat memory)
-    elif fmt == "tokens":
-        builder, field = "parquet", TOKENS_FIELD
+        _check_json_field(source)
+    return source
+
+
+def _open_hub(spec: SourceSpec) -> Source:
+    from datasets import load_dataset  # heavy import, only where a Hub stream is really opened
+
+    from lmpretrain.progress import announce
+
+    announce(f"opening Hub dataset {spec.hub} (resolving its files over the network)")
     try:
-        ds = load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
-    except UnicodeDecodeError as e:
-        raise DataError(f"source {spec.label}: a file is not valid UTF-8 ({e}); files: {files[:5]}") from e
+        ds = load_dataset(spec.hub, spec.hub_config, split=spec.split, streaming=True)
     except Exception as e:
         raise DataError(
-            f"source {spec.label}: could not read {files[:3]} as {fmt}: {type(e).__name__}: {e}"
+            f"could not open Hub dataset {spec.hub!r} (config {spec.hub_config!r}, split "
+            f"{spec.split!r}): {type(e).__name__}: {e}. Check the id and the network, or use "
+            "local `files`"
         ) from e
-    return _checked(Source(spec, ds, field, files, tokens=fmt == "tokens"))
+    return datasets_source(spec, ds)
 
 
-def _checked(source: Source) -> Source:
-    features = source.dataset.features
-    if features is not None and source.field not in features:
-        where = source.files[0] if source.files else source.label
+def datasets_source(spec: SourceSpec, dataset) -> Source:
+    """A source over a streaming 🤗 `IterableDataset` (how Hub sources are read)."""
+    if dataset.features is not None and spec.text_field not in dataset.features:
         raise DataError(
-            f"{where}: no field {source.field!r} (fields: {sorted(features)}); set `text_field` "
-            f"of source {source.label} to the column holding the text"
+            f"{spec.label}: no field {spec.text_field!r} (fields: {sorted(dataset.features)}); set `text_field` "
+            f"of source {spec.label} to the column holding the text"
         )
-    if source.n_shards < 1:
-        raise DataError(f"source {source.label} has no shards (empty corpus)")
-    return source
+    if dataset.n_shards < 1:
+        raise DataError(f"source {spec.label} has no shards (empty corpus)")
+    return Source(spec, "hub", dataset=dataset)
+
+
+def _no_field(source: Source, path: str, fields) -> DataError:
+    return DataError(
+        f"{path}: no field {source.field!r} (fields: {sorted(fields)}); set `text_field` of source "
+        f"{source.label} to the column holding the text"
+    )
+
+
+def _check_parquet(source: Source) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for path in source.files:
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:
+            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+        schema = pf.schema_arrow
+        if source.field not in schema.names:
+            raise _no_field(source, path, schema.names)
+        kind = schema.field(source.field).type
+        if source.tokens:
+            ok = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+            source.has_flags &= "doc_start" in schema.names and "doc_end" in schema.names
+        else:
+            ok = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        if not ok:
+            want = "a list of token ids" if source.tokens else "strings"
+            raise DataError(f"{path}: column {source.field!r} holds {kind}, not {want}; set `text_field`")
+        meta = pf.metadata
+        source._row_group_bytes.append(
+            [max(1, meta.row_group(g).total_byte_size) for g in range(meta.num_row_groups)]
+        )
+
+
+def _check_json_field(source: Source) -> None:
+    """The first record of the first non-empty JSON Lines file must have the text field (a config mistake
+    then fails at once); later records without it are bad records."""
+    for path, array in zip(source.files, source.json_arrays, strict=True):
+        if array:
+            continue
+        with readers.open_bytes(path) as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        return  # a bad record: skipped and counted when read
+                    if isinstance(record, dict) and source.field not in record:
+                        raise _no_field(source, path, record)
+                    return
 
 
 def read_tokens_meta(source: Source) -> dict | None:
@@ -233,5 +370,19 @@ def read_tokens_meta(source: Source) -> dict | None:
     return json.loads(meta.read_text()) if meta.exists() else None
 
 
-def spec_dict(spec: SourceSpec) -> dict:
-    return asdict(spec)
+def open_sources(specs: list[SourceSpec | dict], tokenizer) -> list[Source]:
+    """Open every source; pre-tokenized ones must come from this tokenizer."""
+    if not specs:
+        raise DataError("no data sources given (data.train or data.eval is empty)")
+    opened = [open_source(s) for s in specs]
+    for src in opened:
+        meta = read_tokens_meta(src) if src.tokens else None
+        if meta is not None:
+            from lmpretrain.tokenizer import tokenizer_hash
+
+            if meta.get("tokenizer_hash") != tokenizer_hash(tokenizer):
+                raise DataError(
+                    f"source {src.label} was pre-tokenized with another tokenizer "
+                    f"({meta.get('tokenizer')!r}); re-run scripts/prepare_data.py with this one"
+                )
+    return opened

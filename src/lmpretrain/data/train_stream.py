@@ -1,0 +1,341 @@
+"""`TrainStream`: the blocks of every optimizer step from `num_streams` virtual streams, exactly resumable.
+
+Global block j of a step comes from stream j % S; rank p owns streams s % world_size == p; worker w of a
+rank owns the rank's streams [w::num_workers]. The blocks of a step therefore depend only on (data, seed,
+blocks_per_step, S): world size and workers change who computes them, not what they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lmpretrain.data.block_stream import BlockStream, StreamSettings
+from lmpretrain.data.encoder import Encoder
+from lmpretrain.data.sources import Source, open_sources
+from lmpretrain.errors import DataError, UserError
+
+if TYPE_CHECKING:
+    from lmpretrain.config import DataConfig
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 2  # 2: document windows, pieces of files, positions by byte offset / row group
+
+
+@dataclass
+class StepBlocks:
+    input_ids: torch.Tensor  # [blocks_per_step // world_size, seq_len], blocks ordered by stream id
+    epoch: int  # min completed epochs of the first source over this rank's streams (as read so far)
+    skipped_docs: int  # bad records skipped so far by this rank's streams
+
+
+def blocks_per_stream(blocks_per_step: int, num_streams: int) -> list[int]:
+    """c_s = G // S + (s < G % S): how many blocks stream s gives to every step."""
+    return [blocks_per_step // num_streams + (s < blocks_per_step % num_streams) for s in range(num_streams)]
+
+
+def data_problems(data: DataConfig, world_size: int) -> list[str]:
+    """Every rule of the data section that needs only the config and the world size, named by config key."""
+    p: list[str] = []
+    if data.seq_len < 2:
+        p.append("data.seq_len must be >= 2 (a block needs an input and a next-token target)")
+    if data.num_streams < 1:
+        p.append("data.num_streams must be >= 1")
+    elif data.num_streams % world_size:
+        p.append(
+            f"data.num_streams={data.num_streams} must be a multiple of the world size {world_size} "
+            f"(each process owns num_streams/world_size streams); try --data.num_streams="
+            f"{world_size * max(1, -(-data.num_streams // world_size))}"
+        )
+    elif data.num_workers > data.num_streams // world_size:
+        p.append(
+            f"data.num_workers={data.num_workers} exceeds the {data.num_streams // world_size} streams each "
+            "process owns (data.num_streams / world size; each worker owns whole streams); lower it or raise "
+            "data.num_streams"
+        )
+    if data.num_workers < 0:
+        p.append("data.num_workers must be >= 0")
+    for key in ("shuffle_window", "doc_shuffle_window"):
+        if getattr(data, key) < 1:
+            p.append(f"data.{key} must be >= 1")
+    if not data.train:
+        p.append("data.train needs at least one source")
+    if not data.eval:
+        p.append("data.eval needs at least one held-out source (a separate split or file set)")
+    for section, sources in (("data.train", data.train), ("data.eval", data.eval)):
+        for i, source in enumerate(sources):
+            try:
+                source.validate()
+            except DataError as err:
+                p.append(f"{section}[{i}]: {err}")
+    return p
+
+
+def merge_data_states(per_rank_states: list[dict]) -> dict:
+    """Merge the ranks' `state_dict()`s (each holds its own streams) into one any world size can load:
+    `streams` by stream id; every other key must agree across ranks."""
+    if not per_rank_states:
+        raise DataError("no data states to merge")
+    merged: dict = {}
+    streams: dict[int, dict] = {}
+    for rank, state in enumerate(per_rank_states):
+        for key, value in state.items():
+            if key == "streams":
+                for sid, stream_state in value.items():
+                    sid = int(sid)
+                    if sid in streams and streams[sid] != stream_state:
+                        raise DataError(
+                            f"rank {rank} saved a different state for data stream {sid} than an earlier "
+                            "rank; the checkpoint is inconsistent"
+                        )
+                    streams[sid] = copy.deepcopy(stream_state)
+            elif key in merged and merged[key] != value:
+                raise DataError(f"data state key {key!r} differs between ranks (rank {rank}: {value!r})")
+            else:
+                merged[key] = copy.deepcopy(value)
+    merged["streams"] = dict(sorted(streams.items()))
+    return merged
+
+
+def _leave_signals_to_the_trainer(worker_id: int) -> None:
+    """Schedulers signal every process of a job; a worker killed by SIGTERM/SIGINT would crash the
+    trainer's step before it can save, so workers ignore both and stop when the trainer stops them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _identity(item):
+    return item
+
+
+class _StreamsDataset(IterableDataset):
+    """Yields one item per step for the streams it owns: ({stream: blocks}, {stream: state after them},
+    {stream: (epoch, skipped)}, [bad-record reports]); in a worker, a UserError is yielded (the trainer
+    raises it without a worker traceback) instead of raised."""
+
+    def __init__(
+        self,
+        sources: list[Source],
+        encoder: Encoder,
+        settings: StreamSettings,
+        streams: list[int],
+        states: dict[int, dict],
+        counts: list[int],
+    ):
+        super().__init__()
+        self.sources, self.encoder, self.settings = sources, encoder, settings
+        self.streams, self.states, self.counts = streams, states, counts
+        self.block_streams: dict[int, BlockStream] = {}
+
+    def __iter__(self):
+        info = get_worker_info()
+        mine = self.streams if info is None else self.streams[info.id :: info.num_workers]
+        self.block_streams = {
+            s: BlockStream(self.sources, self.encoder, self.settings, s, self.states[s]) for s in mine
+        }
+        try:
+            while True:
+                blocks = {
+                    s: torch.from_numpy(b.next_blocks(self.counts[s])) for s, b in self.block_streams.items()
+                }
+                states = {s: b.state() for s, b in self.block_streams.items()}
+                progress = {s: b.progress() for s, b in self.block_streams.items()}
+                notes = [n for b in self.block_streams.values() for n in b.take_notes()]
+                yield blocks, states, progress, notes
+        except UserError as err:
+            if info is None:
+                raise
+            yield err
+
+
+class TrainStream:
+    """Endless training blocks, one `StepBlocks` per optimizer step, for one rank; see the module docstring."""
+
+    def __init__(
+        self, data: DataConfig, tokenizer, *, blocks_per_step: int, rank: int, world_size: int, seed: int
+    ):
+        problems = data_problems(data, world_size) if world_size >= 1 else []
+        if world_size < 1 or not 0 <= rank < world_size:
+            problems.append(f"rank {rank} is not in [0, world_size={world_size})")
+        elif blocks_per_step < 1 or blocks_per_step % world_size:
+            problems.append(
+                f"blocks per step ({blocks_per_step}) must be a positive multiple of world_size ({world_size})"
+            )
+        if problems:
+            raise DataError("invalid data settings:\n  - " + "\n  - ".join(problems))
+        self.encoder = Encoder(tokenizer, data.add_bos)  # checks EOS/BOS before reading any data
+        self.sources = open_sources(data.train, tokenizer)
+        self.tokenizer = tokenizer
+        self.settings = StreamSettings(
+            num_streams=data.num_streams,
+            seq_len=data.seq_len,
+            seed=seed,
+            shuffle=data.shuffle,
+            block_window=data.shuffle_window,
+            doc_window=data.doc_shuffle_window,
+        )
+        self.num_streams, self.blocks_per_step = data.num_streams, blocks_per_step
+        self.rank, self.world_size, self.num_workers = rank, world_size, data.num_workers
+        self.owned = [s for s in range(self.num_streams) if s % world_size == rank]
+        self.counts = blocks_per_stream(blocks_per_step, self.num_streams)
+        for src in self.sources:
+            n = len(src.pieces(self.num_streams))
+            if n < self.num_streams:
+                keep_every = -(-self.num_streams // n)
+                logger.warning(
+                    "[lmpretrain] WARNING: source %s has %d pieces for %d streams: streams share pieces and keep "
+                    "every %d-th document, so each reads up to ~%dx the data it uses; give it more or bigger files",
+                    src.label,
+                    n,
+                    self.num_streams,
+                    keep_every,
+                    keep_every,
+                )
+        initial = BlockStream.initial_state(len(self.sources))
+        self._states: dict[int, dict] = {s: copy.deepcopy(initial) for s in self.owned}
+        self._reported: set[str] = set()
+        self._loader_iter = None
+        self._dataset: _StreamsDataset | None = None
+
+    def describe(self) -> str:
+        """One line on what is read and how, for the start-up log."""
+        s = self.settings
+        sources = "; ".join(src.summary(s.num_streams) for src in self.sources)
+        shuffle = (
+            f"shuffle: piece order per epoch, {s.doc_window}-document windows, {s.block_window}-block windows"
+            if s.shuffle
+            else "no shuffle"
+        )
+        return (
+            f"data: {sources}; {self.encoder.describe()}; {s.num_streams} streams x {s.seq_len}-token blocks, "
+            f"{self.blocks_per_step} blocks per step; {shuffle}"
+        )
+
+    def __iter__(self) -> Iterator[StepBlocks]:
+        """Start (or restart) from the current state: the last consumed step, or what `load_state_dict` set."""
+        self.close()
+        self._dataset = _StreamsDataset(
+            self.sources, self.encoder, self.settings, self.owned, copy.deepcopy(self._states), self.counts
+        )
+        if self.num_workers == 0:
+            items = iter(self._dataset)
+        else:
+            # Forked workers would otherwise warn and disable the tokenizer's threads one by one.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            # Own generator: creating the workers must not draw from the global torch RNG (resume exactness).
+            loader = DataLoader(
+                self._dataset,
+                batch_size=None,
+                num_workers=self.num_workers,
+                collate_fn=_identity,
+                prefetch_factor=2,
+                worker_init_fn=_leave_signals_to_the_trainer,
+                generator=torch.Generator().manual_seed(self.settings.seed),
+            )
+            items = self._loader_iter = iter(loader)
+        return self._steps(items)
+
+    def _steps(self, items) -> Iterator[StepBlocks]:
+        # DataLoader takes items round-robin from workers, and each worker yields one item per step.
+        per_step = max(1, self.num_workers)
+        while True:
+            blocks, states, progress = {}, {}, {}
+            for _ in range(per_step):
+                item = next(items)
+                if isinstance(item, UserError):
+                    raise item
+                chunk, state, counts, notes = item
+                blocks.update(chunk)
+                states.update(state)
+                progress.update(counts)
+                for label, report in notes:
+                    if label not in self._reported:
+                        self._reported.add(label)
+                        logger.warning(report)
+            ids = torch.cat([blocks[s] for s in self.owned]).long()
+            self._states.update(states)  # only now is this step consumed
+            yield StepBlocks(
+                ids,
+                epoch=min(epoch for epoch, _ in progress.values()),
+                skipped_docs=sum(skipped for _, skipped in progress.values()),
+            )
+
+    def state_dict(self) -> dict:
+        """Position of what was consumed: {"version", "num_streams", "streams": {stream id: plain dict}}."""
+        return {
+            "version": STATE_VERSION,
+            "num_streams": self.num_streams,
+            "streams": copy.deepcopy(self._states),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take this rank's streams from a state holding (at least) them, e.g. all ranks' merged states."""
+        if state.get("version") != STATE_VERSION:
+            raise DataError(
+                f"the data state has version {state.get('version')}, this lmpretrain reads version {STATE_VERSION} "
+                "(the data pipeline changed); start the run fresh (--run.resume=never) in another output_dir"
+            )
+        if state.get("num_streams") != self.num_streams:
+            raise DataError(
+                f"data state was saved with data.num_streams={state.get('num_streams')}, this run has "
+                f"{self.num_streams}; the stream layout must stay the same to resume"
+            )
+        streams = {int(k): v for k, v in state["streams"].items()}
+        missing = [s for s in self.owned if s not in streams]
+        if missing:
+            raise DataError(
+                f"data state lacks streams {missing[:8]} owned by rank {self.rank}; pass the merged "
+                "states of all ranks (merge_data_states)"
+            )
+        self.close()
+        self._states = {s: copy.deepcopy(streams[s]) for s in self.owned}
+
+    def fingerprint(self) -> dict:
+        """What the stream depends on. world_size and num_workers are informational: resuming across them is exact."""
+        from lmpretrain.tokenizer import tokenizer_hash
+
+        s = self.settings
+        return {
+            "sources": [src.fingerprint() for src in self.sources],
+            "tokenizer": tokenizer_hash(self.tokenizer),
+            "add_bos": self.encoder.add_bos,
+            "seq_len": s.seq_len,
+            "num_streams": s.num_streams,
+            "seed": s.seed,
+            "shuffle": s.shuffle,
+            "shuffle_window": s.block_window,
+            "doc_shuffle_window": s.doc_window,
+            "data_version": STATE_VERSION,
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+        }
+
+    def records_read(self) -> int:
+        """Records this rank's in-process streams pulled from the sources (num_workers=0 only; for tests)."""
+        if self.num_workers:
+            raise RuntimeError("records_read is only tracked with num_workers=0")
+        return sum(b.records_read for b in self._dataset.block_streams.values()) if self._dataset else 0
+
+    def close(self) -> None:
+        """Stop the dataloader workers, if any, and close in-process readers."""
+        it, self._loader_iter = self._loader_iter, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        if self._dataset is not None:
+            for block_stream in self._dataset.block_streams.values():
+                block_stream.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

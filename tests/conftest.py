@@ -22,7 +22,13 @@ def make_doc(tag: str, rng: random.Random, max_words: int = 60) -> str:
 
 
 def write_jsonl_shards(
-    folder, docs_per_shard: list[int], *, prefix: str = "shard", seed: int = 0, field: str = "text"
+    folder,
+    docs_per_shard: list[int],
+    *,
+    prefix: str = "shard",
+    seed: int = 0,
+    field: str = "text",
+    max_words: int = 60,
 ) -> list[str]:
     """JSONL shards with `docs_per_shard[i]` documents each; returns the file paths."""
     rng = random.Random(seed)
@@ -32,7 +38,7 @@ def write_jsonl_shards(
         path = folder / f"{prefix}-{i:03d}.jsonl"
         with open(path, "w", encoding="utf-8") as f:
             for k in range(n):
-                f.write(json.dumps({field: make_doc(f"{prefix}{i}.{k}", rng), "id": k}) + "\n")
+                f.write(json.dumps({field: make_doc(f"{prefix}{i}.{k}", rng, max_words), "id": k}) + "\n")
         paths.append(str(path))
     return paths
 

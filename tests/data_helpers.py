@@ -62,11 +62,11 @@ def doc_tags(tokens: list[int], tok) -> list[str]:
     return [TAG.match(text).group(1) for _, text in documents(tokens, tok)]
 
 
-def expected_tokens(paths, tok, bos: bool = True) -> list[int]:
-    """The token stream of JSONL files read in order: [BOS] ids EOS per record."""
+def expected_tokens(paths, tok, bos: bool = True, doc_cap: int | None = None) -> list[int]:
+    """The token stream of JSONL files read in order: [BOS] ids EOS per record (its first `doc_cap` tokens)."""
     out = []
     for p in paths:
         for line in open(p, encoding="utf-8"):
             ids = tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"]
-            out += [tok.bos_token_id] * bos + ids + [tok.eos_token_id]
+            out += ([tok.bos_token_id] * bos + ids + [tok.eos_token_id])[:doc_cap]
     return out

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from lmpretrain.config import DataConfig
 from lmpretrain.data import SourceSpec, heldout_blocks, merge_data_states
+from lmpretrain.data.heldout import MIN_DOCUMENTS
 from lmpretrain.data.prepare import pretokenize
 from lmpretrain.errors import DataError
 
@@ -333,18 +334,25 @@ def test_pretokenized_shards_stream_like_the_text(tmp_path, small_tokenizer):
 
 
 def test_heldout_blocks_are_the_first_blocks_in_order(tmp_path, small_tokenizer):
-    paths = write_jsonl_shards(tmp_path / "v", [4, 4])
-    want = expected_tokens(paths, small_tokenizer)
+    paths = write_jsonl_shards(tmp_path / "v", [16, 16])
     data = DataConfig(eval=[SourceSpec(files=paths)], seq_len=8)
-    blocks = heldout_blocks(data, small_tokenizer, num_blocks=5)
-    assert blocks.shape == (5, 8) and blocks.dtype == torch.long
-    assert blocks.flatten().tolist() == want[:40]
-    assert heldout_blocks(data, small_tokenizer, num_blocks=5).equal(blocks)
+    blocks = heldout_blocks(data, small_tokenizer, num_blocks=32)  # 256 tokens: documents capped at 16
+    assert blocks.shape == (32, 8) and blocks.dtype == torch.long
+    cap = 256 // MIN_DOCUMENTS
+    assert blocks.flatten().tolist() == expected_tokens(paths, small_tokenizer, doc_cap=cap)[:256]
+    assert heldout_blocks(data, small_tokenizer, num_blocks=32).equal(blocks)
     no_bos = DataConfig(eval=[SourceSpec(files=paths)], seq_len=8, add_bos=False)
     assert (
-        heldout_blocks(no_bos, small_tokenizer, num_blocks=5).flatten().tolist()
-        == expected_tokens(paths, small_tokenizer, bos=False)[:40]
+        heldout_blocks(no_bos, small_tokenizer, num_blocks=32).flatten().tolist()
+        == expected_tokens(paths, small_tokenizer, bos=False, doc_cap=cap)[:256]
     )
+    # However long the documents, none fills more than 1/MIN_DOCUMENTS of the set.
+    long = write_jsonl_shards(tmp_path / "long", [24], max_words=2000)
+    capped = heldout_blocks(
+        DataConfig(eval=[SourceSpec(files=long)], seq_len=8), small_tokenizer, num_blocks=32
+    )
+    starts = (capped.flatten() == small_tokenizer.bos_token_id).nonzero().flatten().tolist()
+    assert starts[:MIN_DOCUMENTS] == [cap * i for i in range(MIN_DOCUMENTS)]
     with pytest.raises(DataError, match="lower eval.batches"):
         heldout_blocks(data, small_tokenizer, num_blocks=10_000)
 
@@ -458,7 +466,7 @@ def test_bad_held_out_records_are_skipped_and_reported(tmp_path, small_tokenizer
     path.write_text('{"text": "<e0> alpha"}\n{"text": "<e1\n{"text": "<e2> beta"}\n')
     with caplog.at_level(logging.WARNING):
         blocks = heldout_blocks(
-            DataConfig(eval=[SourceSpec(files=[str(path)])], seq_len=4), small_tokenizer, num_blocks=2
+            DataConfig(eval=[SourceSpec(files=[str(path)])], seq_len=8), small_tokenizer, num_blocks=1
         )
     assert doc_tags(blocks.flatten().tolist(), small_tokenizer) == ["e0"]
     assert f"skipping a bad record at {path} line 2: malformed JSON" in caplog.text

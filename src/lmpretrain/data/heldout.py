@@ -22,14 +22,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _BATCH_UNITS, _BATCH_CHARS = 64, 1 << 16  # units tokenized per batch
+# No document fills more than this share of the set: read in order, a held-out set of 16k tokens can be
+# mostly one long file (the stdlib's codec tables are), and then it measures that file, not the corpus.
+MIN_DOCUMENTS = 16
 
 
 def heldout_blocks(data: DataConfig, tokenizer, *, num_blocks: int, progress: bool = False) -> torch.Tensor:
-    """The first `num_blocks` packed `data.seq_len` blocks of `data.eval`, each source read once in order.
+    """The first `num_blocks` packed `data.seq_len` blocks of `data.eval`, each source read once in order,
+    each document cut to its first 1/MIN_DOCUMENTS of the set (at least one block).
     `progress`: draw a bar (pass True on the main process only)."""
     encoder = Encoder(tokenizer, data.add_bos)
     sources = open_sources(data.eval, tokenizer)
     need = num_blocks * data.seq_len
+    cap = max(data.seq_len, need // MIN_DOCUMENTS)
     pieces: list[np.ndarray] = []
     have = 0
     with bar(desc="held-out set", unit="block", total=num_blocks, enabled=progress) as shown:
@@ -46,6 +51,7 @@ def heldout_blocks(data: DataConfig, tokenizer, *, num_blocks: int, progress: bo
                     batch.append((src, unit))
                     chars += len(unit.value)
                 for array in frame_units(encoder, batch):
+                    array = array[:cap]
                     pieces.append(array)
                     have += len(array)
                 shown.update(min(have, need) // data.seq_len - shown.n)

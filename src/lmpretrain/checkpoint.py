@@ -1,23 +1,47 @@
-"""Atomic, per-rank, valid-only checkpoints; resume discovery; retention.
+"""Atomic, valid-only checkpoints of a model, its optimizer and the run's stateful objects; resume
+discovery; retention.
 
-A checkpoint is ``<output_dir>/checkpoints/step-NNNNNNNN/`` holding:
+The recipe hands the checkpointer its model, optimizer and a dict of objects that have
+``state_dict()``/``load_state_dict()`` (torchtitan's ``states={...}``), and gets them back restored::
 
-* ``model.safetensors``  full (unsharded) weights; tied aliases are stored once and re-created on load
-* ``optimizer.pt``       full optimizer state keyed by parameter names (survives DDP/FSDP wrapping)
-* ``deepspeed/``         instead of ``optimizer.pt`` under DeepSpeed: the engine's own checkpoint (its
-                         ZeRO optimizer partitions, one file per rank, fp32 master weights, loss scaler)
-* ``rank-00000.pt`` ...  per rank: RNG states (python, numpy, torch, CUDA) and the data-pipeline state
-* ``trainer_state.json`` counters, scheduler, scaler, world size, resolved config, fingerprint
+    states = {"train": train_state, "scheduler": scheduler, "data": PerRank(train_data, merge), ...}
+    checkpointer.save(step, model=model, optimizer=optimizer, states=states, meta={...})
+    checkpointer.load(path, model=model, optimizer=optimizer, states=states)
+
+A state is the same on every rank and saved once (rank 0's); wrapped in ``PerRank`` every rank saves
+its own (RNG, data position), and on load a ``merge`` function combines all ranks' saved states so a
+run resumes onto any number of processes. States hold plain data (dicts, lists, ints, floats, bools,
+strs, None, tensors), checked before anything is written. A checkpoint is
+``<output_dir>/checkpoints/step-NNNNNNNN/`` holding:
+
+* ``meta.json``          step, world size, format, and the caller's metadata (config, fingerprint, the
+                         eval loss of an eval run at this step): read without loading any tensor
+* ``states.pt``          the shared states; ``rank-00000.pt`` ... the ``PerRank`` states of each rank
+* format ``full`` (default without FSDP2): ``model.safetensors``, whole weights (tied aliases stored
+  once), and ``optimizer.pt``, the whole optimizer state keyed by parameter names, both written by rank 0
+  from gathered tensors; under DeepSpeed ``deepspeed/`` replaces ``optimizer.pt`` (the engine's own
+  partitioned files, resumed with the same number of processes)
+* format ``sharded`` (default under FSDP2): ``dcp/``, the weights and optimizer state written with
+  ``torch.distributed.checkpoint``: each rank writes the shards it holds (no rank ever holds the whole
+  state), and a load reshards onto any number of processes
 * ``COMPLETE``           JSON manifest ``{file: size_in_bytes}`` of every other file, written last
 
-Write protocol (every rank calls ``save``): main creates ``checkpoints/.tmp-step-N-<nonce>/``; every
-rank writes and fsyncs its files there; all ranks agree nothing failed; main writes ``COMPLETE``,
-fsyncs it and the directory, renames the directory to ``step-N`` and fsyncs ``checkpoints/``. The
-rename is the commit: a directory named ``step-N`` appears complete, with its marker, or not at all.
-The marker and its sizes are a second defence for copies made by other tools and truncated files.
-A crash at any point leaves the older checkpoints untouched; leftover ``.tmp-*`` directories are
-removed by the next save. Every ``torch.load`` here uses ``weights_only=True`` (DeepSpeed's loader,
-which reads only the ``deepspeed/`` directory it wrote, unpickles its own objects).
+Write protocol (every rank calls ``save``): refuse non-finite weights; main creates
+``checkpoints/.tmp-step-N-<nonce>/``; every rank writes and fsyncs its files there; all ranks agree
+nothing failed; main writes ``COMPLETE``, fsyncs it and the directory, renames the directory to
+``step-N`` and fsyncs ``checkpoints/``. The rename is the commit: a directory named ``step-N`` appears
+complete, with its marker, or not at all. The marker and its sizes are a second defence for copies made
+by other tools and truncated files. A crash at any point leaves the older checkpoints untouched;
+leftover ``.tmp-*`` directories are removed by the next save.
+
+With ``async_save`` the weights and optimizer state are copied to CPU memory (a snapshot) and written
+by a background thread while training continues; the commit (all ranks agree, marker, rename) happens
+once every rank's write is complete: at the first ``poll()`` after that, or ``wait()``. Until then the
+step exists only as a ``.tmp-*`` directory, so a kill during the write leaves the previous checkpoint
+the newest valid one.
+
+Every ``torch.load`` here uses ``weights_only=True``. DCP's reader (format ``sharded``) and DeepSpeed's
+unpickle their own metadata: resume only checkpoints you trust.
 """
 
 import json
@@ -26,10 +50,18 @@ import math
 import os
 import re
 import shutil
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors.torch
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from accelerate import PartialState
 from accelerate.utils import DistributedType
 from torch.distributed.checkpoint.state_dict import (
@@ -39,21 +71,27 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from lmpretrain.distributed import any_rank, broadcast_int
-from lmpretrain.errors import CheckpointError
-from lmpretrain.rng import capture_rng_state, restore_rng_state
+from lmpretrain.errors import CheckpointError, ConfigError
+from lmpretrain.preemption import launcher_grace_s
 
 logger = logging.getLogger(__name__)
 
+META_FILE = "meta.json"
+STATES_FILE = "states.pt"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 DEEPSPEED_DIR = "deepspeed"
-TRAINER_STATE_FILE = "trainer_state.json"
+DCP_DIR = "dcp"
+DCP_METADATA = f"{DCP_DIR}/.metadata"
 MARKER_FILE = "COMPLETE"
+FORMATS = ("full", "sharded")
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 RANK_FILE = re.compile(r"^rank-(\d{5})\.pt$")
 _ALIASES_KEY = "lmpretrain.tied_aliases"
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def rank_file(rank: int) -> str:
@@ -64,10 +102,23 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+@dataclass
+class PerRank:
+    """A state that differs by rank: every rank saves its own.
+
+    On load, ``merge`` (given every saved rank's state, in rank order) returns the state this rank
+    loads, so a different number of processes can resume (e.g. the data streams of all ranks). Without
+    ``merge`` each rank loads its own; ranks beyond the saved ones keep theirs (with a warning).
+    """
+
+    obj: object
+    merge: Callable[[list], object] | None = None
+
+
 # ---- small helpers ---------------------------------------------------------------------------------
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """Flush a file's or a directory's entries to disk (a directory fsync makes renames durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -90,11 +141,11 @@ def _write_text_synced(text: str, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
     """fsync every file under ``path`` and the directories themselves (for files another library wrote)."""
     for p in sorted(path.rglob("*")):
-        _fsync(p)
-    _fsync(path)
+        fsync_path(p)
+    fsync_path(path)
 
 
 def _remove_dir(path: Path) -> None:
@@ -121,46 +172,6 @@ def _check_plain(obj, where: str) -> None:
             f"{where} is a {type(obj).__module__}.{type(obj).__name__}; checkpoints hold only "
             f"dicts, lists, ints, floats, bools, strs, None and tensors (convert it, e.g. int(x))"
         )
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
-
-
-def merge_data_states(states: list[dict]) -> dict:
-    """Merge the ranks' data states: ``streams`` by stream id; any other key must agree across ranks."""
-    merged: dict = {}
-    for rank, st in enumerate(states):
-        for key, value in st.items():
-            if key == "streams":
-                streams = merged.setdefault("streams", {})
-                for sid, s in value.items():
-                    if sid in streams and not _same(streams[sid], s):
-                        raise CheckpointError(
-                            f"data stream {sid!r} has different states in two rank files "
-                            f"(second one: {rank_file(rank)}); the checkpoint is inconsistent"
-                        )
-                    streams[sid] = s
-            elif key in merged and not _same(merged[key], value):
-                raise CheckpointError(
-                    f"data state key {key!r} differs between rank files ({rank_file(rank)}); "
-                    f"only 'streams' is merged across ranks"
-                )
-            else:
-                merged[key] = value
-    return merged
 
 
 def _split_tied(state_dict: dict) -> tuple[dict, dict]:
@@ -191,6 +202,35 @@ def _split_tied(state_dict: dict) -> tuple[dict, dict]:
     return unique, aliases
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nonfinite_parameter(model) -> str | None:
+    """The name of a parameter of this rank's share holding inf/NaN, or None."""
+    for name, p in model.named_parameters():
+        local = _local(p.detach())
+        if local.is_floating_point() and not torch.isfinite(local).all():
+            return name
+    return None
+
+
+def _snapshot(tree, memo: dict | None = None):
+    """A copy of ``tree`` whose tensors are CPU clones (aliases stay aliases): what a background write
+    reads while training goes on changing the live tensors."""
+    memo = {} if memo is None else memo
+    if isinstance(tree, torch.Tensor):
+        key = (tree.untyped_storage().data_ptr(), tree.storage_offset(), tuple(tree.shape), tree.dtype)
+        if key not in memo:
+            memo[key] = tree.detach().to("cpu", copy=True)
+        return memo[key]
+    if isinstance(tree, dict):
+        return {k: _snapshot(v, memo) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_snapshot(v, memo) for v in tree)
+    return tree
+
+
 # ---- validation --------------------------------------------------------------------------------------
 
 
@@ -213,11 +253,9 @@ def checkpoint_problem(path: Path) -> str | None:
         isinstance(k, str) and isinstance(v, int) for k, v in manifest.items()
     ):
         return f"{MARKER_FILE} is not a {{file: size}} manifest"
-    for required in (MODEL_FILE, TRAINER_STATE_FILE, rank_file(0)):
+    for required in (META_FILE, STATES_FILE, rank_file(0)):
         if required not in manifest:
             return f"manifest lacks {required}"
-    if OPTIMIZER_FILE not in manifest and not any(name.startswith(f"{DEEPSPEED_DIR}/") for name in manifest):
-        return f"manifest lacks {OPTIMIZER_FILE} (or a {DEEPSPEED_DIR}/ optimizer)"
     ranks = sorted(int(m.group(1)) for m in map(RANK_FILE.match, manifest) if m)
     if ranks != list(range(len(ranks))):
         return f"manifest has rank files {ranks}, not 0..{len(ranks) - 1}"
@@ -229,21 +267,29 @@ def checkpoint_problem(path: Path) -> str | None:
         if actual != size:
             return f"{name} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
     try:
-        trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        return f"unreadable {TRAINER_STATE_FILE} ({err})"
-    if trainer_state.get("step") != int(match.group(1)):
-        return (
-            f"{TRAINER_STATE_FILE} says step {trainer_state.get('step')}, the directory name {match.group(1)}"
-        )
-    world_size = trainer_state.get("world_size")
-    if world_size is not None and world_size != len(ranks):
-        return f"{len(ranks)} rank files for world size {world_size}"
+        return f"unreadable {META_FILE} ({err})"
+    if not isinstance(meta, dict) or meta.get("step") != int(match.group(1)):
+        return f"{META_FILE} does not say step {int(match.group(1))} (the directory name)"
+    if meta.get("world_size") != len(ranks):
+        return f"{len(ranks)} rank files for world size {meta.get('world_size')}"
+    fmt = meta.get("format")
+    if fmt == "sharded":
+        if DCP_METADATA not in manifest:
+            return f"manifest lacks {DCP_METADATA} (format sharded)"
+    elif fmt == "full":
+        if MODEL_FILE not in manifest:
+            return f"manifest lacks {MODEL_FILE} (format full)"
+        if OPTIMIZER_FILE not in manifest and not any(n.startswith(f"{DEEPSPEED_DIR}/") for n in manifest):
+            return f"manifest lacks {OPTIMIZER_FILE} (or a {DEEPSPEED_DIR}/ optimizer)"
+    else:
+        return f"{META_FILE} has an unknown format {fmt!r}"
     return None
 
 
-def _read_trainer_state(path: Path) -> dict:
-    return json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+def _read_meta(path: Path) -> dict:
+    return json.loads((path / META_FILE).read_text(encoding="utf-8"))
 
 
 def check_output_dir_writable(output_dir) -> None:
@@ -265,13 +311,57 @@ def check_output_dir_writable(output_dir) -> None:
         ) from err
 
 
+def resolve_format(requested: str, state) -> str:
+    """``checkpoint.format``: ``auto`` is sharded under FSDP2 and full otherwise; DeepSpeed writes full."""
+    fsdp2 = getattr(state, "is_fsdp2", False)
+    deepspeed = state.distributed_type == DistributedType.DEEPSPEED
+    if requested == "auto":
+        return "sharded" if fsdp2 else "full"
+    if requested not in FORMATS:
+        raise ConfigError(
+            [f"checkpoint.format must be one of auto, {', '.join(FORMATS)} (got {requested!r})"]
+        )
+    if deepspeed and requested == "sharded":
+        raise ConfigError(
+            [
+                "checkpoint.format=sharded is not supported under DeepSpeed (its engine writes its own "
+                "partitioned optimizer files): use checkpoint.format=auto or full"
+            ]
+        )
+    return requested
+
+
 # ---- the checkpointer ------------------------------------------------------------------------------------
 
 
-class Checkpointer:
-    """Saves, finds, loads and prunes the checkpoints of one output dir (all ranks call save/load)."""
+@dataclass
+class _Pending:
+    """A save whose background write has not been committed yet."""
 
-    def __init__(self, output_dir, accelerator=None, keep_last: int = 2):
+    step: int
+    tmp: Path
+    final: Path
+    nonce: int
+    write: Future
+    started: float
+    stall_s: float
+
+
+class Checkpointer:
+    """Saves, finds, loads and prunes the checkpoints of one output dir (all ranks call save/load/poll).
+
+    ``announce`` (e.g. the recipe's ``print``) is told about each committed checkpoint.
+    """
+
+    def __init__(
+        self,
+        output_dir,
+        accelerator=None,
+        keep_last: int = 2,
+        format: str = "auto",
+        async_save: bool = False,
+        announce: Callable[[str], None] | None = None,
+    ):
         if keep_last < 1:
             raise ValueError(
                 f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept"
@@ -282,6 +372,38 @@ class Checkpointer:
         self.keep_last = keep_last
         # DeepSpeed's engine owns its partitioned optimizer state and writes it in its own layout.
         self.deepspeed = self.state.distributed_type == DistributedType.DEEPSPEED
+        self.format = resolve_format(format, self.state)
+        if async_save and self.deepspeed:
+            raise ConfigError(
+                [
+                    "checkpoint.async_save=true is not supported under DeepSpeed (its engine writes "
+                    "synchronously): set it to false"
+                ]
+            )
+        self.async_save = async_save
+        self.announce = announce or (lambda line: None)
+        self._pending: _Pending | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._group = None
+        self._grace_warned = False
+        if async_save and self.format == "sharded" and self._distributed():
+            # DCP's background save runs collectives; on the training group they could interleave with
+            # the loop's own and deadlock, so it gets a group of its own (gloo: it stages on CPU).
+            self._group = dist.new_group(backend="gloo")
+
+    def _distributed(self) -> bool:
+        return self.state.num_processes > 1 and dist.is_available() and dist.is_initialized()
+
+    def describe(self) -> str:
+        """One line on how checkpoints are written, for the start-up log."""
+        how = {
+            "full": "whole weights and optimizer state gathered to rank 0 (model.safetensors, optimizer.pt)",
+            "sharded": "torch.distributed.checkpoint, each rank writes the shards it holds (dcp/)",
+        }[self.format]
+        if self.deepspeed:
+            how = "whole weights from rank 0 (model.safetensors) + DeepSpeed's partitioned optimizer (deepspeed/)"
+        mode = "async (background write, committed once complete)" if self.async_save else "sync"
+        return f"checkpoints: format={self.format}: {how}; {mode}; keep_last={self.keep_last} + best eval"
 
     # -- discovery --
 
@@ -344,19 +466,41 @@ class Checkpointer:
             if p.name.startswith((".tmp-", ".trash-")):
                 shutil.rmtree(p, ignore_errors=True)
 
-    def save(self, step: int, *, model, optimizer, data_state: dict, trainer_state: dict) -> Path:
-        """Write checkpoint ``step`` atomically, then prune old ones. Every rank must call it."""
-        rng = capture_rng_state()  # first: nothing below may consume randomness, but be sure
+    @staticmethod
+    def _collect(states: dict) -> tuple[dict, dict]:
+        """(shared, per-rank) state dicts of the objects, checked to be plain data."""
+        shared, per_rank = {}, {}
+        for name, obj in states.items():
+            target = per_rank if isinstance(obj, PerRank) else shared
+            value = (obj.obj if isinstance(obj, PerRank) else obj).state_dict()
+            _check_plain(value, f"state {name!r}")
+            target[name] = value
+        return shared, per_rank
+
+    def save(self, step: int, *, model, optimizer, states: dict, meta: dict | None = None) -> Path:
+        """Write checkpoint ``step`` of ``model``, ``optimizer`` and ``states`` ({name: object with
+        state_dict()}); ``meta`` is JSON metadata (its ``eval_loss`` picks the best checkpoint). Every rank
+        must call it. Sync: committed and pruned on return; async: committed by a later poll()/wait()."""
+        self.wait()  # one save at a time: the previous one commits first
+        started = time.perf_counter()
         st = self.state
         final = self.dir / step_dir_name(step)
         # Errors are collected, agreed on by all ranks, then raised everywhere: a rank that raised
         # alone would leave the others waiting forever in the next collective.
         error: BaseException | None = None
         try:
-            if trainer_state.get("step", step) != step:
-                raise ValueError(f"trainer_state['step'] is {trainer_state['step']} but saving step {step}")
-            _check_plain(data_state, "data_state")
-            trainer_json = json.dumps({**trainer_state, "step": step}, indent=2, sort_keys=True)
+            shared, per_rank = self._collect(states)  # first: the RNG state is captured before anything runs
+            meta_json = json.dumps(
+                {**(meta or {}), "step": step, "world_size": st.num_processes, "format": self.format},
+                indent=2,
+                sort_keys=True,
+            )
+            bad = _nonfinite_parameter(model)
+            if bad is not None:
+                raise ValueError(
+                    f"parameter {bad!r} holds inf/NaN at step {step}: a checkpoint of these weights would "
+                    "resume into the same failure"
+                )
         except (TypeError, ValueError) as err:
             error = err
 
@@ -377,44 +521,146 @@ class Checkpointer:
 
         # Collective calls happen on every rank whatever happened before, so a write error on one
         # rank cannot leave the others waiting inside a gather.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        # full on main, empty elsewhere (sharded); a DeepSpeed engine's module holds whole weights (ZeRO 1/2)
-        weights = get_model_state_dict(model.module if self.deepspeed else model, options=options)
-        if st.is_main_process:
-            error = self._try(error, self._write_model, weights, tmp / MODEL_FILE)
-        del weights
+        write = Future()
+        write.set_result(None)
         if self.deepspeed:
-            # A collective (every rank writes its own partition): called on every rank whatever failed before.
-            try:
-                model.save_checkpoint(str(tmp), tag=DEEPSPEED_DIR, save_latest=False)
-            except Exception as err:  # noqa: BLE001 - re-raised by _failed after the ranks agree
-                error = error or err
-            if st.is_main_process:
-                error = self._try(error, _fsync_tree, tmp)
+            error = self._write_deepspeed(model, tmp, error)
+        elif self.format == "full":
+            error, write = self._write_full(model, optimizer, tmp, error)
         else:
-            optim_state = self._optimizer_state(model, optimizer, options)
-            if st.is_main_process:
-                error = self._try(error, _torch_save_synced, optim_state, tmp / OPTIMIZER_FILE)
-            del optim_state
+            error, write = self._write_sharded(model, optimizer, tmp, error)
         if st.is_main_process:
-            error = self._try(error, _write_text_synced, trainer_json, tmp / TRAINER_STATE_FILE)
-        rank_state = {
-            "rank": st.process_index,
-            "world_size": st.num_processes,
-            "rng": rng,
-            "data": data_state,
-        }
+            error = self._try(error, _torch_save_synced, shared, tmp / STATES_FILE)
+            error = self._try(error, _write_text_synced, meta_json, tmp / META_FILE)
+        rank_state = {"rank": st.process_index, "world_size": st.num_processes, "states": per_rank}
         error = self._try(error, _torch_save_synced, rank_state, tmp / rank_file(st.process_index))
         if any_rank(error is not None, st):
+            _settle(write)  # a background write into tmp must end before tmp is removed
             raise self._failed(error, tmp, f"write {final.name}")
+        self._pending = _Pending(step, tmp, final, nonce, write, started, time.perf_counter() - started)
+        if not self.async_save:
+            self.wait()
+        return final
 
-        if st.is_main_process:
-            error = self._try(None, self._commit, tmp, final, nonce)
+    def poll(self) -> Path | None:
+        """Commit a background save once every rank has finished writing it; returns its path then.
+        Every rank must call it (a collective while a save is pending, nothing otherwise)."""
+        if self._pending is None:
+            return None
+        if any_rank(not self._pending.write.done(), self.state):
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Block until the pending save is written, then commit it; returns its path (None if none)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        st = self.state
+        try:
+            pending.write.result()
+            error = None
+        except Exception as err:  # noqa: BLE001 - re-raised by _failed after the ranks agree
+            error = err
         if any_rank(error is not None, st):
-            raise self._failed(error, tmp, f"commit {final.name}")
+            raise self._failed(error, pending.tmp, f"write {pending.final.name}")
+        if st.is_main_process:
+            error = self._try(None, self._commit, pending.tmp, pending.final, pending.nonce)
+        if any_rank(error is not None, st):
+            raise self._failed(error, pending.tmp, f"commit {pending.final.name}")
         if st.is_main_process:
             self.prune()
-        return final
+        self._report(pending, time.perf_counter() - pending.started)
+        return pending.final
+
+    def _report(self, pending: _Pending, total_s: float) -> None:
+        if self.async_save:
+            how = f"written in the background in {total_s:.2f} s, training stalled {pending.stall_s:.2f} s"
+        else:
+            how = f"in {total_s:.2f} s"
+        self.announce(f"[lmpretrain] saved checkpoint {pending.final} ({how})")
+        grace = launcher_grace_s()
+        if "TORCHELASTIC_RUN_ID" in os.environ and total_s > grace / 2 and not self._grace_warned:
+            self._grace_warned = True
+            self.announce(
+                f"[lmpretrain] WARNING: a checkpoint takes {total_s:.0f} s, but on a stop signal the launcher "
+                f"kills ranks {grace} s after SIGTERM: set TORCH_ELASTIC_SHUTDOWN_TIMEOUT={math.ceil(4 * total_s)} "
+                "in the launch environment so the save on SIGTERM can finish"
+            )
+
+    def close(self) -> None:
+        """Stop the background writer (a pending save that was not committed stays a .tmp-* directory)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    def _background(self, fn, *args) -> Future:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmpretrain-checkpoint")
+        return self._writer.submit(fn, *args)
+
+    def _write_full(self, model, optimizer, tmp: Path, error) -> tuple[BaseException | None, Future]:
+        st = self.state
+        # Full on main, empty elsewhere (sharded models are gathered: a collective on every rank).
+        weights = get_model_state_dict(model, options=_FULL)
+        optim_state = self._optimizer_state(model, optimizer, full=True)
+        write = Future()
+        write.set_result(None)
+        if st.is_main_process and error is None:
+            if self.async_save:
+                weights, optim_state = _snapshot((weights, optim_state))
+                write = self._background(self._write_model_and_optimizer, weights, optim_state, tmp)
+            else:
+                error = self._try(error, self._write_model_and_optimizer, weights, optim_state, tmp)
+        return error, write
+
+    def _write_model_and_optimizer(self, weights: dict, optim_state: dict, tmp: Path) -> None:
+        self._write_model(weights, tmp / MODEL_FILE)
+        _torch_save_synced(optim_state, tmp / OPTIMIZER_FILE)
+
+    def _write_sharded(self, model, optimizer, tmp: Path, error) -> tuple[BaseException | None, Future]:
+        st = self.state
+        state = {"model": get_model_state_dict(model)}  # DTensor shards under FSDP2: this rank's share
+        optim_state = self._optimizer_state(model, optimizer, full=False)
+        if optim_state["state"]:
+            state["optimizer"] = optim_state
+        elif st.is_main_process:  # hyperparameters only (nothing stepped yet): one small file
+            error = self._try(error, _torch_save_synced, optim_state, tmp / OPTIMIZER_FILE)
+        write = Future()
+        write.set_result(None)
+        alone = not self._distributed()
+        # DCP's save is a collective: every rank calls it, even after an error elsewhere.
+        try:
+            where = str(tmp / DCP_DIR)
+            with _single_process_is_intended():
+                if self.async_save:
+                    write = dcp.async_save(
+                        state, checkpoint_id=where, process_group=self._group, no_dist=alone
+                    )
+                else:
+                    dcp.save(state, checkpoint_id=where, no_dist=alone)
+        except Exception as err:  # noqa: BLE001 - re-raised by _failed after the ranks agree
+            error = error or err
+        return error, write
+
+    def _write_deepspeed(self, model, tmp: Path, error) -> BaseException | None:
+        st = self.state
+        # A DeepSpeed engine's module holds whole weights (ZeRO 1/2); its optimizer partitions are its own.
+        if st.is_main_process:
+            weights = get_model_state_dict(model.module, options=_FULL)
+            error = self._try(error, self._write_model, weights, tmp / MODEL_FILE)
+            del weights
+        # A collective (every rank writes its own partition): called on every rank whatever failed before.
+        try:
+            model.save_checkpoint(str(tmp), tag=DEEPSPEED_DIR, save_latest=False)
+        except Exception as err:  # noqa: BLE001 - re-raised by _failed after the ranks agree
+            error = error or err
+        if st.is_main_process:
+            error = self._try(error, fsync_tree, tmp)
+        return error
 
     @staticmethod
     def _try(previous: BaseException | None, fn, *args) -> BaseException | None:
@@ -448,10 +694,10 @@ class Checkpointer:
         safetensors.torch.save_file(
             tensors, path, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)}
         )
-        _fsync(path)
+        fsync_path(path)
 
     @staticmethod
-    def _optimizer_state(model, optimizer, options) -> dict:
+    def _optimizer_state(model, optimizer, full: bool) -> dict:
         if not optimizer.state:
             # get_optimizer_state_dict would initialise an unstepped optimizer with a fake step
             # (moments 0, step 1), changing the live run; save the hyperparameters only.
@@ -461,20 +707,21 @@ class Checkpointer:
                     {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
                 ],
             }
-        return get_optimizer_state_dict(model, optimizer, options=options)
+        return get_optimizer_state_dict(model, optimizer, options=_FULL if full else StateDictOptions())
 
     def _commit(self, tmp: Path, final: Path, nonce: int) -> None:
+        fsync_tree(tmp)  # DCP and DeepSpeed wrote some of these files
         manifest = {
             p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
         }
         _write_text_synced(json.dumps(manifest, indent=1, sort_keys=True), tmp / MARKER_FILE)
-        _fsync(tmp)
+        fsync_path(tmp)
         trash = None
         if final.exists():  # the same step saved again (e.g. a fresh run with overwrite): swap it out
             trash = self.dir / f".trash-{final.name}-{nonce:012x}"
             os.rename(final, trash)
         os.rename(tmp, final)
-        _fsync(self.dir)
+        fsync_path(self.dir)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
 
@@ -486,7 +733,7 @@ class Checkpointer:
         keep = set(valid[: self.keep_last])
         scored = []
         for path in valid:
-            loss = _read_trainer_state(path).get("eval_loss")
+            loss = _read_meta(path).get("eval_loss")
             if isinstance(loss, (int, float)) and math.isfinite(loss):
                 scored.append((loss, path))
         if scored:
@@ -503,44 +750,62 @@ class Checkpointer:
 
     # -- loading --
 
-    def trainer_state(self, path) -> dict:
-        """The counters, config and fingerprint a checkpoint was saved with (cheap: no tensors read)."""
+    def metadata(self, path) -> dict:
+        """What a checkpoint was saved with (step, world size, format, config, fingerprint): no tensors read."""
         path = Path(path)
         problem = checkpoint_problem(path)
         if problem is not None:
             raise CheckpointError(f"cannot load {path}: {problem}")
-        return _read_trainer_state(path)
+        return _read_meta(path)
 
-    def load(self, path, *, model, optimizer) -> tuple[dict, dict]:
-        """Restore weights, optimizer and this rank's RNG from ``path``. Returns (data state merged
-        over all ranks' files, trainer_state). Every rank must call it."""
+    def load(self, path, *, model, optimizer, states: dict) -> dict:
+        """Restore ``model``, ``optimizer`` and every object of ``states`` from ``path``; returns its
+        metadata. Every rank must call it."""
         path = Path(path)
-        trainer_state = self.trainer_state(path)
-        st = self.state
+        meta = self.metadata(path)
         manifest = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
         names = sorted(n for n in manifest if RANK_FILE.match(n))
         if self.deepspeed:
-            self._load_deepspeed(path, manifest, model, ranks=len(names))
+            self._load_deepspeed(path, manifest, meta, model, ranks=len(names))
+        elif meta["format"] == "sharded":
+            self._load_sharded(path, manifest, model, optimizer)
         else:
             self._load_full(path, manifest, model, optimizer)
+        shared = torch.load(path / STATES_FILE, map_location="cpu", weights_only=True)
+        saved_ranks = [torch.load(path / n, map_location="cpu", weights_only=True)["states"] for n in names]
+        for name, obj in states.items():
+            if isinstance(obj, PerRank):
+                self._load_per_rank(path, name, obj, [r.get(name) for r in saved_ranks])
+            elif name in shared:
+                obj.load_state_dict(shared[name])
+            else:
+                raise CheckpointError(
+                    f"{path} has no state {name!r} (it has {sorted(shared)}): it was written by a version "
+                    "of the recipe without it; resume it with that version, or start fresh"
+                )
+        return meta
 
-        rank_states = [torch.load(path / n, map_location="cpu", weights_only=True) for n in names]
-        data_state = merge_data_states([r["data"] for r in rank_states])
-        if st.process_index < len(rank_states):
-            restore_rng_state(rank_states[st.process_index]["rng"])  # last: loading must not move RNGs
+    def _load_per_rank(self, path: Path, name: str, entry: PerRank, saved: list) -> None:
+        if any(s is None for s in saved):
+            raise CheckpointError(f"{path} lacks the per-rank state {name!r} in some rank files")
+        rank = self.state.process_index
+        if entry.merge is not None:
+            entry.obj.load_state_dict(entry.merge(saved))
+        elif rank < len(saved):
+            entry.obj.load_state_dict(saved[rank])
         else:
             logger.warning(
-                "checkpoint %s has RNG states for %d ranks; rank %d keeps its seeded RNG",
+                "checkpoint %s has %r states for %d ranks; rank %d keeps its own",
                 path,
-                len(rank_states),
-                st.process_index,
+                name,
+                len(saved),
+                rank,
             )
-        return data_state, trainer_state
 
-    def _load_deepspeed(self, path: Path, manifest: dict, model, ranks: int) -> None:
-        if OPTIMIZER_FILE in manifest:
+    def _load_deepspeed(self, path: Path, manifest: dict, meta: dict, model, ranks: int) -> None:
+        if OPTIMIZER_FILE in manifest or meta["format"] != "full":
             raise CheckpointError(
-                f"{path} was written without DeepSpeed (full {OPTIMIZER_FILE}); DeepSpeed cannot "
+                f"{path} was written without DeepSpeed (format {meta['format']}); DeepSpeed cannot "
                 f"load it: resume it with the launch config that wrote it"
             )
         if ranks != self.state.num_processes:
@@ -568,30 +833,64 @@ class Checkpointer:
             weights[alias] = weights[name]
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
         del weights
-
         optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        groups = optim_state["param_groups"]
-        if len(groups) != len(optimizer.param_groups):
-            raise CheckpointError(
-                f"{path / OPTIMIZER_FILE} has {len(groups)} parameter groups, "
-                f"the optimizer has {len(optimizer.param_groups)}"
-            )
-        if optim_state["state"]:
-            # torch's full-state loader fails with a bare KeyError on group keys the live optimizer
-            # lacks (e.g. 'initial_lr' when the scheduler is built after loading); the load
-            # overwrites every group value anyway, so add the missing ones first.
-            for live, saved in zip(optimizer.param_groups, groups, strict=True):
-                for key, value in saved.items():
-                    live.setdefault(key, value)
-            set_optimizer_state_dict(
-                model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True)
-            )
-            for live, saved in zip(optimizer.param_groups, groups, strict=True):  # it turns tuples into lists
-                for key, value in saved.items():
-                    if isinstance(value, tuple) and isinstance(live.get(key), list):
-                        live[key] = tuple(live[key])
+        _set_optimizer(path / OPTIMIZER_FILE, model, optimizer, optim_state, full=True)
+
+    def _load_sharded(self, path: Path, manifest: dict, model, optimizer) -> None:
+        # The live model and optimizer give DCP the layout to read into: this rank's shards under FSDP2,
+        # whole tensors otherwise (DCP reshards whatever number of ranks wrote them).
+        state = {"model": get_model_state_dict(model)}
+        groups_only = OPTIMIZER_FILE in manifest
+        if not groups_only:
+            state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        with _single_process_is_intended():
+            dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=not self._distributed())
+        set_model_state_dict(model, state["model"])
+        if groups_only:
+            optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         else:
-            optimizer.state.clear()
-            for live, saved in zip(optimizer.param_groups, groups, strict=True):
-                live.update(saved)
-        del optim_state
+            optim_state = state["optimizer"]
+        _set_optimizer(path / DCP_DIR, model, optimizer, optim_state, full=False)
+
+
+@contextmanager
+def _single_process_is_intended():
+    """DCP warns on every single-process save/load that it assumes one process: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield
+
+
+def _settle(future: Future) -> None:
+    """Wait for a future whose outcome no longer matters (its error was superseded by another)."""
+    try:
+        future.result()
+    except Exception:  # noqa: BLE001 - the first error is the one reported
+        pass
+
+
+def _set_optimizer(where: Path, model, optimizer, optim_state: dict, full: bool) -> None:
+    groups = optim_state["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{where} has {len(groups)} parameter groups, the optimizer has {len(optimizer.param_groups)}"
+        )
+    if not optim_state["state"]:
+        optimizer.state.clear()
+        for live, saved in zip(optimizer.param_groups, groups, strict=True):
+            live.update({k: v for k, v in saved.items() if k != "params"})
+        return
+    # torch's loader fails with a bare KeyError on group keys the live optimizer lacks (e.g.
+    # 'initial_lr' when the scheduler is built after loading); the load overwrites every group value
+    # anyway, so add the missing ones first.
+    for live, saved in zip(optimizer.param_groups, groups, strict=True):
+        for key, value in saved.items():
+            if key != "params":
+                live.setdefault(key, value)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=full))
+    for live, saved in zip(optimizer.param_groups, groups, strict=True):  # it turns tuples into lists
+        for key, value in saved.items():
+            if isinstance(value, tuple) and isinstance(live.get(key), list):
+                live[key] = tuple(live[key])

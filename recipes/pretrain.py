@@ -309,4 +309,5 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)  # a problem to fix, not a bug: no traceback
-        sys.exit(err.exit_code)
+        runtime.exit_process(err.exit_code)
+    runtime.exit_process(0)  # see exit_process: a clean exit that gloo's threads cannot abort

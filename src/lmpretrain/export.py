@@ -14,6 +14,15 @@ from lmpretrain.checkpoint import fsync_path, fsync_tree
 from lmpretrain.distributed import broadcast_int
 
 
+def _tied_aliases(model) -> set[str]:
+    """Names of parameters that are another parameter (tied embeddings): gathered shards arrive as
+    separate copies, and save_pretrained would keep whichever name it meets; keep the first name."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {alias for group in names.values() for alias in group[1:]}
+
+
 def export_pretrained(model, tokenizer, path, accelerator) -> Path:
     """Write ``model`` and ``tokenizer`` to ``path`` for ``from_pretrained``; every rank must call it
     (sharded weights are gathered to the main process, which writes)."""
@@ -25,6 +34,8 @@ def export_pretrained(model, tokenizer, path, accelerator) -> Path:
         weights = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        aliases = _tied_aliases(accelerator.unwrap_model(model))
+        weights = {k: v for k, v in weights.items() if k not in aliases}
     nonce = broadcast_int(int.from_bytes(os.urandom(6), "little"), accelerator)
     if accelerator.is_main_process:
         for leftover in path.parent.glob(f".tmp-{path.name}-*"):  # from an export that was killed

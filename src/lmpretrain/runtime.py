@@ -118,12 +118,13 @@ def _cpu_fsdp2_accelerator(accum: int, log_with) -> Accelerator:
     accumulate without gradient sync, DTensor-aware clipping) has nothing GPU-specific in it: the
     recipe switches the state to FSDP so that path runs, the same code a GPU launch runs.
     """
-    plugin = FullyShardedDataParallelPlugin()  # from the launch config's FSDP_* variables
-    if plugin.fsdp_version != 2:
+    version = os.environ.get("FSDP_VERSION", "1")  # read as accelerate's plugin reads it
+    if version != "2":  # FSDP1's plugin refuses CPU-only machines (and would not run there)
         raise LaunchError(
-            f"the launch config asks for FSDP version {plugin.fsdp_version} on CPU; only FSDP2 runs on CPU "
+            f"the launch config asks for FSDP version {version} on CPU; only FSDP2 runs on CPU "
             "(set fsdp_version: 2, as configs/accelerate/cpu-fsdp.yaml does)"
         )
+    plugin = FullyShardedDataParallelPlugin()  # from the launch config's FSDP_* variables
     accelerator = Accelerator(
         cpu=True,
         log_with=log_with,

@@ -471,6 +471,72 @@ def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, wher
     assert sorted(p.name for p in ckdir.iterdir()) == ["step-00000001", "step-00000003"]
 
 
+# ---- final/ export -----------------------------------------------------------------------------------------
+
+# A child that exports a model to final/, then is SIGKILLed while exporting it again (the tokenizer
+# files are being written): final/ must still be the first export, complete.
+EXPORT_CHILD = textwrap.dedent("""
+    import sys, time, torch
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from lmpretrain.export import export_pretrained
+    from lmpretrain.tokenizer import load_tokenizer
+
+    out = sys.argv[1]
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    tokenizer = load_tokenizer("builtin:python-stdlib")
+    export_pretrained(model, tokenizer, f"{out}/final", accelerator)
+    print("EXPORTED", flush=True)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # the second export would differ
+    def hang(*args, **kwargs):
+        print("WRITING", flush=True)
+        time.sleep(60)
+    tokenizer.save_pretrained = hang
+    export_pretrained(model, tokenizer, f"{out}/final", accelerator)
+""")
+
+
+def test_an_interrupted_export_leaves_the_previous_final_complete(tmp_path, stdlib_cache):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    script = tmp_path / "child.py"
+    script.write_text(EXPORT_CHILD)
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def read_until(word: str) -> None:
+        for line in child.stdout:  # libraries may print their own lines first
+            if line.strip() == word:
+                return
+        pytest.fail(f"the child ended before {word}: {child.stderr.read()}")
+
+    try:
+        read_until("EXPORTED")
+        first = (tmp_path / "final" / "model.safetensors").read_bytes()
+        read_until("WRITING")
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+        child.communicate()
+    assert [p.name for p in tmp_path.glob(".tmp-final-*")]  # the interrupted export, never named final
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == first
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    AutoTokenizer.from_pretrained(tmp_path / "final")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 # ---- resume resolution, output dir ----------------------------------------------------------------------
 
 

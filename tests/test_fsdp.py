@@ -211,3 +211,15 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     assert [r["local_finite"] for r in poisoned] == [True, False]  # only rank 1 saw the inf
     assert all(not r["stepped"] and not r["changed"] and r["scale"] == 512.0 for r in poisoned)
     assert all(r["stepped"] and r["changed"] and r["scale"] == 512.0 for r in clean)
+
+
+def test_checkpoints_carry_an_eval_loss_only_when_an_eval_ran_at_their_step(fsdp_run):
+    """The "best" checkpoint is picked by this value: a stale eval loss must not count."""
+    metas = {
+        int(p.name.split("-")[1]): json.loads((p / "meta.json").read_text())
+        for p in (fsdp_run.out / "checkpoints").glob("step-*")
+    }
+    evals = {r["step"]: r["eval/loss"] for r in fsdp_run.metrics() if "eval/loss" in r}
+    assert sorted(metas) == [4, 8, 10] and sorted(evals) == [0, 5, 10]
+    assert metas[4]["eval_loss"] is None and metas[8]["eval_loss"] is None
+    assert metas[10]["eval_loss"] == evals[10] and metas[10]["format"] == "sharded"

@@ -139,3 +139,8 @@ def test_ddp_checkpoint_is_not_resumed_under_deepspeed(tmp_path, two_ranks_accum
     msg = refused(tmp_path, *EXACT, "--train.max_steps=12", "--run.allow_mismatch=true", out=out)
     assert "was written without DeepSpeed" in msg
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000010"]  # nothing touched
+
+
+def test_async_checkpoints_are_refused_under_deepspeed(tmp_path):
+    out = refused(tmp_path, "--checkpoint.async_save=true")
+    assert "checkpoint.async_save=true is not supported under DeepSpeed" in out

@@ -87,7 +87,6 @@ DEEPSPEED_DIR = "deepspeed"
 DCP_DIR = "dcp"
 DCP_METADATA = f"{DCP_DIR}/.metadata"
 MARKER_FILE = "COMPLETE"
-FORMATS = ("full", "sharded")
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 RANK_FILE = re.compile(r"^rank-(\d{5})\.pt$")
 _ALIASES_KEY = "lmpretrain.tied_aliases"
@@ -174,6 +173,11 @@ def _check_plain(obj, where: str) -> None:
         )
 
 
+def _alias_key(t: torch.Tensor) -> tuple:
+    """Equal for two tensors that are the same view of the same memory (tied weights)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def _split_tied(state_dict: dict) -> tuple[dict, dict]:
     """Drop aliases of tensors already present (tied weights): safetensors refuses shared storage."""
     unique, aliases, seen = {}, {}, {}
@@ -183,15 +187,7 @@ def _split_tied(state_dict: dict) -> tuple[dict, dict]:
                 f"model state entry {name!r} is a {type(t).__name__}, not a tensor; "
                 f"model.safetensors can only hold tensors"
             )
-        key = None
-        if t.numel():
-            key = (
-                t.untyped_storage().data_ptr(),
-                t.storage_offset(),
-                tuple(t.shape),
-                tuple(t.stride()),
-                t.dtype,
-            )
+        key = _alias_key(t) if t.numel() else None
         if key is not None and key in seen:
             aliases[name] = seen[key]
             continue
@@ -220,7 +216,7 @@ def _snapshot(tree, memo: dict | None = None):
     reads while training goes on changing the live tensors."""
     memo = {} if memo is None else memo
     if isinstance(tree, torch.Tensor):
-        key = (tree.untyped_storage().data_ptr(), tree.storage_offset(), tuple(tree.shape), tree.dtype)
+        key = _alias_key(tree)
         if key not in memo:
             memo[key] = tree.detach().to("cpu", copy=True)
         return memo[key]
@@ -312,15 +308,12 @@ def check_output_dir_writable(output_dir) -> None:
 
 
 def resolve_format(requested: str, state) -> str:
-    """``checkpoint.format``: ``auto`` is sharded under FSDP2 and full otherwise; DeepSpeed writes full."""
+    """``checkpoint.format`` (auto | full | sharded, validated with the config): ``auto`` is sharded under
+    FSDP2 and full otherwise; DeepSpeed writes full."""
     fsdp2 = getattr(state, "is_fsdp2", False)
     deepspeed = state.distributed_type == DistributedType.DEEPSPEED
     if requested == "auto":
         return "sharded" if fsdp2 else "full"
-    if requested not in FORMATS:
-        raise ConfigError(
-            [f"checkpoint.format must be one of auto, {', '.join(FORMATS)} (got {requested!r})"]
-        )
     if deepspeed and requested == "sharded":
         raise ConfigError(
             [

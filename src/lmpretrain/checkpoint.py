@@ -17,13 +17,9 @@ strs, None, tensors), checked before anything is written. A checkpoint is
 * ``meta.json``          step, world size, format, and the caller's metadata (config, fingerprint, the
                          eval loss of an eval run at this step): read without loading any tensor
 * ``states.pt``          the shared states; ``rank-00000.pt`` ... the ``PerRank`` states of each rank
-* format ``full`` (default without FSDP2): ``model.safetensors``, whole weights (tied aliases stored
-  once), and ``optimizer.pt``, the whole optimizer state keyed by parameter names, both written by rank 0
-  from gathered tensors; under DeepSpeed ``deepspeed/`` replaces ``optimizer.pt`` (the engine's own
-  partitioned files, resumed with the same number of processes)
-* format ``sharded`` (default under FSDP2): ``dcp/``, the weights and optimizer state written with
-  ``torch.distributed.checkpoint``: each rank writes the shards it holds (no rank ever holds the whole
-  state), and a load reshards onto any number of processes
+* the model and optimizer in format ``full`` (``model.safetensors``, ``optimizer.pt``; default without
+  FSDP2), ``sharded`` (``dcp/``, each rank writes its shards; default under FSDP2) or DeepSpeed's
+  (``model.safetensors`` + ``deepspeed/``): see checkpoint_formats.py
 * ``COMPLETE``           JSON manifest ``{file: size_in_bytes}`` of every other file, written last
 
 Write protocol (every rank calls ``save``): refuse non-finite weights; main creates
@@ -51,28 +47,27 @@ import os
 import re
 import shutil
 import time
-import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors.torch
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from accelerate import PartialState
 from accelerate.utils import DistributedType
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.tensor import DTensor
 
+from lmpretrain.checkpoint_formats import (
+    DeepSpeedFiles,
+    Files,
+    FullFiles,
+    ShardedFiles,
+    attempt,
+    fsync_path,
+    fsync_tree,
+    manifest_problem,
+    torch_save_synced,
+)
 from lmpretrain.distributed import any_rank, broadcast_int
 from lmpretrain.errors import CheckpointError, ConfigError
 from lmpretrain.preemption import launcher_grace_s
@@ -81,16 +76,9 @@ logger = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
 STATES_FILE = "states.pt"
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-DEEPSPEED_DIR = "deepspeed"
-DCP_DIR = "dcp"
-DCP_METADATA = f"{DCP_DIR}/.metadata"
 MARKER_FILE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 RANK_FILE = re.compile(r"^rank-(\d{5})\.pt$")
-_ALIASES_KEY = "lmpretrain.tied_aliases"
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def rank_file(rank: int) -> str:
@@ -117,34 +105,11 @@ class PerRank:
 # ---- small helpers ---------------------------------------------------------------------------------
 
 
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a directory's entries to disk (a directory fsync makes renames durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _torch_save_synced(obj, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _write_text_synced(text: str, path: Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_tree(path: Path) -> None:
-    """fsync every file under ``path`` and the directories themselves (for files another library wrote)."""
-    for p in sorted(path.rglob("*")):
-        fsync_path(p)
-    fsync_path(path)
 
 
 def _remove_dir(path: Path) -> None:
@@ -173,31 +138,6 @@ def _check_plain(obj, where: str) -> None:
         )
 
 
-def _alias_key(t: torch.Tensor) -> tuple:
-    """Equal for two tensors that are the same view of the same memory (tied weights)."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-
-def _split_tied(state_dict: dict) -> tuple[dict, dict]:
-    """Drop aliases of tensors already present (tied weights): safetensors refuses shared storage."""
-    unique, aliases, seen = {}, {}, {}
-    for name, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            raise CheckpointError(
-                f"model state entry {name!r} is a {type(t).__name__}, not a tensor; "
-                f"model.safetensors can only hold tensors"
-            )
-        key = _alias_key(t) if t.numel() else None
-        if key is not None and key in seen:
-            aliases[name] = seen[key]
-            continue
-        if key is not None:
-            seen[key] = name
-        # safetensors needs contiguous tensors; this copies only the (rare) non-contiguous ones.
-        unique[name] = t if t.is_contiguous() else t.contiguous()
-    return unique, aliases
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -209,22 +149,6 @@ def _nonfinite_parameter(model) -> str | None:
         if local.is_floating_point() and not torch.isfinite(local).all():
             return name
     return None
-
-
-def _snapshot(tree, memo: dict | None = None):
-    """A copy of ``tree`` whose tensors are CPU clones (aliases stay aliases): what a background write
-    reads while training goes on changing the live tensors."""
-    memo = {} if memo is None else memo
-    if isinstance(tree, torch.Tensor):
-        key = _alias_key(tree)
-        if key not in memo:
-            memo[key] = tree.detach().to("cpu", copy=True)
-        return memo[key]
-    if isinstance(tree, dict):
-        return {k: _snapshot(v, memo) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_snapshot(v, memo) for v in tree)
-    return tree
 
 
 # ---- validation --------------------------------------------------------------------------------------
@@ -270,18 +194,7 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"{META_FILE} does not say step {int(match.group(1))} (the directory name)"
     if meta.get("world_size") != len(ranks):
         return f"{len(ranks)} rank files for world size {meta.get('world_size')}"
-    fmt = meta.get("format")
-    if fmt == "sharded":
-        if DCP_METADATA not in manifest:
-            return f"manifest lacks {DCP_METADATA} (format sharded)"
-    elif fmt == "full":
-        if MODEL_FILE not in manifest:
-            return f"manifest lacks {MODEL_FILE} (format full)"
-        if OPTIMIZER_FILE not in manifest and not any(n.startswith(f"{DEEPSPEED_DIR}/") for n in manifest):
-            return f"manifest lacks {OPTIMIZER_FILE} (or a {DEEPSPEED_DIR}/ optimizer)"
-    else:
-        return f"{META_FILE} has an unknown format {fmt!r}"
-    return None
+    return manifest_problem(meta.get("format"), manifest)
 
 
 def _read_meta(path: Path) -> dict:
@@ -376,27 +289,21 @@ class Checkpointer:
         self.async_save = async_save
         self.announce = announce or (lambda line: None)
         self._pending: _Pending | None = None
-        self._writer: ThreadPoolExecutor | None = None
-        self._group = None
         self._grace_warned = False
-        if async_save and self.format == "sharded" and self._distributed():
-            # DCP's background save runs collectives; on the training group they could interleave with
-            # the loop's own and deadlock, so it gets a group of its own (gloo: it stages on CPU).
-            self._group = dist.new_group(backend="gloo")
+        self.files = self._files(self.format, async_save)  # writes the model and optimizer
 
-    def _distributed(self) -> bool:
-        return self.state.num_processes > 1 and dist.is_available() and dist.is_initialized()
+    def _files(self, fmt: str, async_save: bool = False) -> Files:
+        if self.deepspeed:
+            return DeepSpeedFiles(self.state)
+        return (ShardedFiles if fmt == "sharded" else FullFiles)(self.state, async_save)
 
     def describe(self) -> str:
         """One line on how checkpoints are written, for the start-up log."""
-        how = {
-            "full": "whole weights and optimizer state gathered to rank 0 (model.safetensors, optimizer.pt)",
-            "sharded": "torch.distributed.checkpoint, each rank writes the shards it holds (dcp/)",
-        }[self.format]
-        if self.deepspeed:
-            how = "whole weights from rank 0 (model.safetensors) + DeepSpeed's partitioned optimizer (deepspeed/)"
         mode = "async (background write, committed once complete)" if self.async_save else "sync"
-        return f"checkpoints: format={self.format}: {how}; {mode}; keep_last={self.keep_last} + best eval"
+        return (
+            f"checkpoints: format={self.format}: {self.files.description}; {mode}; "
+            f"keep_last={self.keep_last} + best eval"
+        )
 
     # -- discovery --
 
@@ -508,25 +415,18 @@ class Checkpointer:
         nonce = broadcast_int(nonce, st)
         tmp = self.dir / f".tmp-{final.name}-{nonce:012x}"
         if st.is_main_process:
-            error = self._try(error, tmp.mkdir)
+            error = attempt(error, tmp.mkdir)
         if any_rank(error is not None, st):  # also the barrier: tmp exists before anyone writes
             raise self._failed(error, tmp, f"start {final.name}")
 
         # Collective calls happen on every rank whatever happened before, so a write error on one
         # rank cannot leave the others waiting inside a gather.
-        write = Future()
-        write.set_result(None)
-        if self.deepspeed:
-            error = self._write_deepspeed(model, tmp, error)
-        elif self.format == "full":
-            error, write = self._write_full(model, optimizer, tmp, error)
-        else:
-            error, write = self._write_sharded(model, optimizer, tmp, error)
+        error, write = self.files.write(model, optimizer, tmp, error)
         if st.is_main_process:
-            error = self._try(error, _torch_save_synced, shared, tmp / STATES_FILE)
-            error = self._try(error, _write_text_synced, meta_json, tmp / META_FILE)
+            error = attempt(error, torch_save_synced, shared, tmp / STATES_FILE)
+            error = attempt(error, _write_text_synced, meta_json, tmp / META_FILE)
         rank_state = {"rank": st.process_index, "world_size": st.num_processes, "states": per_rank}
-        error = self._try(error, _torch_save_synced, rank_state, tmp / rank_file(st.process_index))
+        error = attempt(error, torch_save_synced, rank_state, tmp / rank_file(st.process_index))
         if any_rank(error is not None, st):
             _settle(write)  # a background write into tmp must end before tmp is removed
             raise self._failed(error, tmp, f"write {final.name}")
@@ -558,7 +458,7 @@ class Checkpointer:
         if any_rank(error is not None, st):
             raise self._failed(error, pending.tmp, f"write {pending.final.name}")
         if st.is_main_process:
-            error = self._try(None, self._commit, pending.tmp, pending.final, pending.nonce)
+            error = attempt(None, self._commit, pending.tmp, pending.final, pending.nonce)
         if any_rank(error is not None, st):
             raise self._failed(error, pending.tmp, f"commit {pending.final.name}")
         if st.is_main_process:
@@ -582,89 +482,9 @@ class Checkpointer:
             )
 
     def close(self) -> None:
-        """Stop the background writer (a pending save that was not committed stays a .tmp-* directory)."""
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
-        if self._group is not None and dist.is_initialized():
-            dist.destroy_process_group(self._group)
-            self._group = None
-
-    def _background(self, fn, *args) -> Future:
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmpretrain-checkpoint")
-        return self._writer.submit(fn, *args)
-
-    def _write_full(self, model, optimizer, tmp: Path, error) -> tuple[BaseException | None, Future]:
-        st = self.state
-        # Full on main, empty elsewhere (sharded models are gathered: a collective on every rank).
-        weights = get_model_state_dict(model, options=_FULL)
-        optim_state = self._optimizer_state(model, optimizer, full=True)
-        write = Future()
-        write.set_result(None)
-        if st.is_main_process and error is None:
-            if self.async_save:
-                weights, optim_state = _snapshot((weights, optim_state))
-                write = self._background(self._write_model_and_optimizer, weights, optim_state, tmp)
-            else:
-                error = self._try(error, self._write_model_and_optimizer, weights, optim_state, tmp)
-        return error, write
-
-    def _write_model_and_optimizer(self, weights: dict, optim_state: dict, tmp: Path) -> None:
-        self._write_model(weights, tmp / MODEL_FILE)
-        _torch_save_synced(optim_state, tmp / OPTIMIZER_FILE)
-
-    def _write_sharded(self, model, optimizer, tmp: Path, error) -> tuple[BaseException | None, Future]:
-        st = self.state
-        state = {"model": get_model_state_dict(model)}  # DTensor shards under FSDP2: this rank's share
-        optim_state = self._optimizer_state(model, optimizer, full=False)
-        if optim_state["state"]:
-            state["optimizer"] = optim_state
-        elif st.is_main_process:  # hyperparameters only (nothing stepped yet): one small file
-            error = self._try(error, _torch_save_synced, optim_state, tmp / OPTIMIZER_FILE)
-        write = Future()
-        write.set_result(None)
-        alone = not self._distributed()
-        # DCP's save is a collective: every rank calls it, even after an error elsewhere.
-        try:
-            where = str(tmp / DCP_DIR)
-            with _single_process_is_intended():
-                if self.async_save:
-                    write = dcp.async_save(
-                        state, checkpoint_id=where, process_group=self._group, no_dist=alone
-                    )
-                else:
-                    dcp.save(state, checkpoint_id=where, no_dist=alone)
-        except Exception as err:  # noqa: BLE001 - re-raised by _failed after the ranks agree
-            error = error or err
-        return error, write
-
-    def _write_deepspeed(self, model, tmp: Path, error) -> BaseException | None:
-        st = self.state
-        # A DeepSpeed engine's module holds whole weights (ZeRO 1/2); its optimizer partitions are its own.
-        if st.is_main_process:
-            weights = get_model_state_dict(model.module, options=_FULL)
-            error = self._try(error, self._write_model, weights, tmp / MODEL_FILE)
-            del weights
-        # A collective (every rank writes its own partition): called on every rank whatever failed before.
-        try:
-            model.save_checkpoint(str(tmp), tag=DEEPSPEED_DIR, save_latest=False)
-        except Exception as err:  # noqa: BLE001 - re-raised by _failed after the ranks agree
-            error = error or err
-        if st.is_main_process:
-            error = self._try(error, fsync_tree, tmp)
-        return error
-
-    @staticmethod
-    def _try(previous: BaseException | None, fn, *args) -> BaseException | None:
-        """Run fn unless an earlier step failed; return the first error (raised later, on every rank)."""
-        if previous is not None:
-            return previous
-        try:
-            fn(*args)
-        except Exception as err:  # noqa: BLE001 - re-raised by _failed after the ranks agree
-            return err
-        return None
+        """Release the writer's threads and process group (a pending save that was not committed stays a
+        .tmp-* directory, removed by the next save)."""
+        self.files.close()
 
     def _failed(self, error: BaseException | None, tmp: Path, what: str) -> CheckpointError:
         if self.state.is_main_process:
@@ -680,27 +500,6 @@ class Checkpointer:
         )
         err.__cause__ = error
         return err
-
-    @staticmethod
-    def _write_model(weights: dict, path: Path) -> None:
-        tensors, aliases = _split_tied(weights)
-        safetensors.torch.save_file(
-            tensors, path, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)}
-        )
-        fsync_path(path)
-
-    @staticmethod
-    def _optimizer_state(model, optimizer, full: bool) -> dict:
-        if not optimizer.state:
-            # get_optimizer_state_dict would initialise an unstepped optimizer with a fake step
-            # (moments 0, step 1), changing the live run; save the hyperparameters only.
-            return {
-                "state": {},
-                "param_groups": [
-                    {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-                ],
-            }
-        return get_optimizer_state_dict(model, optimizer, options=_FULL if full else StateDictOptions())
 
     def _commit(self, tmp: Path, final: Path, nonce: int) -> None:
         fsync_tree(tmp)  # DCP and DeepSpeed wrote some of these files
@@ -758,12 +557,9 @@ class Checkpointer:
         meta = self.metadata(path)
         manifest = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
         names = sorted(n for n in manifest if RANK_FILE.match(n))
-        if self.deepspeed:
-            self._load_deepspeed(path, manifest, meta, model, ranks=len(names))
-        elif meta["format"] == "sharded":
-            self._load_sharded(path, manifest, model, optimizer)
-        else:
-            self._load_full(path, manifest, model, optimizer)
+        # The checkpoint's own format decides how to read it (a sharded one loads into any launch).
+        files = self.files if meta["format"] == self.format else self._files(meta["format"])
+        files.load(path, manifest, model, optimizer)
         shared = torch.load(path / STATES_FILE, map_location="cpu", weights_only=True)
         saved_ranks = [torch.load(path / n, map_location="cpu", weights_only=True)["states"] for n in names]
         for name, obj in states.items():
@@ -795,66 +591,6 @@ class Checkpointer:
                 rank,
             )
 
-    def _load_deepspeed(self, path: Path, manifest: dict, meta: dict, model, ranks: int) -> None:
-        if OPTIMIZER_FILE in manifest or meta["format"] != "full":
-            raise CheckpointError(
-                f"{path} was written without DeepSpeed (format {meta['format']}); DeepSpeed cannot "
-                f"load it: resume it with the launch config that wrote it"
-            )
-        if ranks != self.state.num_processes:
-            raise CheckpointError(
-                f"{path} holds DeepSpeed ZeRO optimizer partitions for {ranks} ranks but "
-                f"{self.state.num_processes} are running: resume with {ranks} processes"
-            )
-        # The engine restores weights, fp32 master copies, moments and its loss scaler from its own files.
-        loaded, _ = model.load_checkpoint(
-            str(path), tag=DEEPSPEED_DIR, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
-        if loaded is None:
-            raise CheckpointError(f"DeepSpeed could not load {path / DEEPSPEED_DIR}")
-
-    def _load_full(self, path: Path, manifest: dict, model, optimizer) -> None:
-        if OPTIMIZER_FILE not in manifest:
-            raise CheckpointError(
-                f"{path} was written by a DeepSpeed run (its optimizer state is partitioned in "
-                f"{DEEPSPEED_DIR}/): resume it under DeepSpeed with the same number of processes"
-            )
-        weights = safetensors.torch.load_file(path / MODEL_FILE, device="cpu")
-        with safetensors.safe_open(path / MODEL_FILE, framework="pt") as f:
-            aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
-        for alias, name in aliases.items():
-            weights[alias] = weights[name]
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
-        del weights
-        optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        _set_optimizer(path / OPTIMIZER_FILE, model, optimizer, optim_state, full=True)
-
-    def _load_sharded(self, path: Path, manifest: dict, model, optimizer) -> None:
-        # The live model and optimizer give DCP the layout to read into: this rank's shards under FSDP2,
-        # whole tensors otherwise (DCP reshards whatever number of ranks wrote them).
-        state = {"model": get_model_state_dict(model)}
-        groups_only = OPTIMIZER_FILE in manifest
-        if not groups_only:
-            state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-        with _single_process_is_intended():
-            dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=not self._distributed())
-        set_model_state_dict(model, state["model"])
-        if groups_only:
-            optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        else:
-            optim_state = state["optimizer"]
-        _set_optimizer(path / DCP_DIR, model, optimizer, optim_state, full=False)
-
-
-@contextmanager
-def _single_process_is_intended():
-    """DCP warns on every single-process save/load that it assumes one process: here that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-        )
-        yield
-
 
 def _settle(future: Future) -> None:
     """Wait for a future whose outcome no longer matters (its error was superseded by another)."""
@@ -862,28 +598,3 @@ def _settle(future: Future) -> None:
         future.result()
     except Exception:  # noqa: BLE001 - the first error is the one reported
         pass
-
-
-def _set_optimizer(where: Path, model, optimizer, optim_state: dict, full: bool) -> None:
-    groups = optim_state["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"{where} has {len(groups)} parameter groups, the optimizer has {len(optimizer.param_groups)}"
-        )
-    if not optim_state["state"]:
-        optimizer.state.clear()
-        for live, saved in zip(optimizer.param_groups, groups, strict=True):
-            live.update({k: v for k, v in saved.items() if k != "params"})
-        return
-    # torch's loader fails with a bare KeyError on group keys the live optimizer lacks (e.g.
-    # 'initial_lr' when the scheduler is built after loading); the load overwrites every group value
-    # anyway, so add the missing ones first.
-    for live, saved in zip(optimizer.param_groups, groups, strict=True):
-        for key, value in saved.items():
-            if key != "params":
-                live.setdefault(key, value)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=full))
-    for live, saved in zip(optimizer.param_groups, groups, strict=True):  # it turns tuples into lists
-        for key, value in saved.items():
-            if isinstance(value, tuple) and isinstance(live.get(key), list):
-                live[key] = tuple(live[key])

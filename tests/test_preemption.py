@@ -86,6 +86,7 @@ def start_loop(tmp_path: Path, mode: str) -> subprocess.Popen:
 def test_signal_saves_after_the_step_and_exits_0(tmp_path, sig):
     child = start_loop(tmp_path, "normal")
     try:
+        time.sleep(0.5)  # past the step-3 save, so the save on the signal is a later step
         child.send_signal(sig)
         out, err = child.communicate(timeout=60)
     finally:
@@ -274,7 +275,8 @@ def test_ranks_stop_when_their_launcher_dies_and_a_second_live_run_is_refused(tm
     assert "two runs would write the same checkpoints" in second.output and "pretrain:" not in second.output
     assert holder in [p.pid for p in ranks] and len(ranks) == 2 and not alive, alive
     log = (tmp_path / "first.log").read_text()
-    assert log.count("the launcher (pid") == 2 and "stopping as on SIGTERM" in log
+    # Whichever rank sees it first stops both: the stop is agreed on at the next step.
+    assert "the launcher (pid" in log and "stopping as on SIGTERM" in log
     stopped_at = rr.read_metrics(out)[-1]["step"]
     assert stopped_at < 400 and not (out / "final").exists()
     assert Checkpointer(out).latest().name == f"step-{stopped_at:08d}"  # saved on the way out

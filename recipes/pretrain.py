@@ -19,17 +19,17 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from lmpretrain import runtime
-from lmpretrain.checkpoint import Checkpointer, check_output_dir_writable
+from lmpretrain.checkpoint import Checkpointer, PerRank, check_output_dir_writable
 from lmpretrain.config import config_problems, load_config, model_problems, save_config
 from lmpretrain.console import ConsoleWarnings, format_log_line
-from lmpretrain.data import TrainStream, heldout_blocks
+from lmpretrain.data import TrainStream, heldout_blocks, merge_data_states
 from lmpretrain.distributed import replica_digests
 from lmpretrain.errors import ConfigError, UserError
 from lmpretrain.evaluation import evaluate, generate_sample
+from lmpretrain.export import export_pretrained
 from lmpretrain.fingerprint import check_fingerprint
 from lmpretrain.flops import flops_per_token, mfu, peak_flops
 from lmpretrain.guard import UpdateGuard
@@ -39,7 +39,8 @@ from lmpretrain.model import build_model, build_model_config, parameter_counts
 from lmpretrain.optim import apply_hyperparameters, build_optimizer, describe_groups
 from lmpretrain.precision import MixedPrecision
 from lmpretrain.preemption import PreemptionHandler
-from lmpretrain.rng import capture_rng_state, restore_rng_state
+from lmpretrain.rng import LoopRNG
+from lmpretrain.runlock import run_lock
 from lmpretrain.schedule import hyperparameter_changes, learning_rate, set_lr
 from lmpretrain.state import TrainState
 from lmpretrain.tokenizer import load_tokenizer
@@ -68,10 +69,17 @@ def train(cfg, cleanup: ExitStack) -> None:
     guard = UpdateGuard(cfg.train, engine_steps=deepspeed)  # skips non-finite (and spiking) updates
     out = Path(cfg.run.output_dir)
     check_output_dir_writable(out)
-    checkpointer = Checkpointer(out, accelerator, keep_last=cfg.checkpoint.keep_last)
+    cleanup.enter_context(run_lock(out, accelerator))  # a second live run in this output dir is refused
+    checkpointer = Checkpointer(
+        out,
+        accelerator,
+        keep_last=cfg.checkpoint.keep_last,
+        format=cfg.checkpoint.format,
+        async_save=cfg.checkpoint.async_save,
+        announce=say,
+    )
+    cleanup.callback(checkpointer.close)
     resume_from = checkpointer.resolve_resume(cfg.run.resume, cfg.run.overwrite)
-    if accelerator.is_main_process:
-        save_config(cfg, out / "config.yaml")
 
     # ---- Build: model, optimizer, schedule, precision, data -------------------------------------
     B, K, W = cfg.train.micro_batch_size, cfg.train.grad_accum_steps, info.world_size
@@ -89,6 +97,8 @@ def train(cfg, cleanup: ExitStack) -> None:
     # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (schedule.py sets the param groups' lr
     # before each step from the updates really applied), under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)
+    say(f"[lmpretrain] {runtime.describe_wrapping(model, accelerator)}")
+    say(f"[lmpretrain] {checkpointer.describe()}")
     if deepspeed:
         say(f"[lmpretrain] {precision.check_engine_weights(model)}")
     train_data = TrainStream(
@@ -119,20 +129,22 @@ def train(cfg, cleanup: ExitStack) -> None:
     )
     peak, peak_source = peak_flops(accelerator.device, precision.dtype or torch.float32)
 
-    # ---- Resume: weights, moments, schedule, scaler, RNG, data position, counters ---------------
-    state = TrainState()
+    # ---- Resume: weights, moments, and every state below (per rank: RNG, data position) ----------
+    state, loop_rng = TrainState(), LoopRNG(cfg.run.seed + info.rank)  # replicas drop different units
+    states = {
+        "train": state,
+        "guard": guard,
+        "scaler": precision,
+        "data": PerRank(train_data, merge=merge_data_states),  # any process count resumes
+        "rng": PerRank(loop_rng),
+    }
     if resume_from:
-        saved = checkpointer.trainer_state(resume_from)
+        saved = checkpointer.metadata(resume_from)
         for warning in check_fingerprint(
             saved["fingerprint"], fingerprint, allow_mismatch=cfg.run.allow_mismatch, lr=cfg.optim.lr
         ):
             say(f"[lmpretrain] WARNING: {warning}")
-        data_state, saved = checkpointer.load(resume_from, model=model, optimizer=optimizer)
-        loop_rng = capture_rng_state()  # as saved; re-applied right before the loop
-        precision.load_state_dict(saved["scaler"])
-        train_data.load_state_dict(data_state)
-        guard.load_state_dict(saved.get("guard"))
-        state = TrainState.from_dict(saved)
+        checkpointer.load(resume_from, model=model, optimizer=optimizer, states=states)
         say(f"[lmpretrain] resumed from {resume_from} at step {state.step}")
         if resume_from.parent.parent.resolve() != out.resolve():  # a branch into another output dir
             state.wandb_run_id = None  # (e.g. an anneal) is a W&B run of its own, not the original's
@@ -140,6 +152,8 @@ def train(cfg, cleanup: ExitStack) -> None:
         changes = hyperparameter_changes(saved["config"], cfg, state.step, state.step - state.skipped_steps)
         if changes:
             say(f"[lmpretrain] {changes}")
+    if accelerator.is_main_process:  # only now: a refused resume writes nothing
+        save_config(cfg, out / "config.yaml")
 
     tracker = Tracker(
         accelerator,
@@ -167,38 +181,16 @@ def train(cfg, cleanup: ExitStack) -> None:
     warnings = ConsoleWarnings(say, max_skipped=cfg.train.max_skipped_steps)
 
     def save_checkpoint():
-        trainer_state = {
-            **state.to_dict(),
-            "guard": guard.state_dict(),
-            "scaler": precision.state_dict(),
-            "world_size": W,
-            "config": cfg.to_dict(),
-            "fingerprint": fingerprint,
-        }
-        path = checkpointer.save(
-            state.step,
-            model=model,
-            optimizer=optimizer,
-            data_state=train_data.state_dict(),
-            trainer_state=trainer_state,
-        )
-        say(f"[lmpretrain] saved checkpoint {path}")
+        meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, "eval_loss": state.eval_loss_now}
+        checkpointer.save(state.step, model=model, optimizer=optimizer, states=states, meta=meta)
 
     def run_eval():
         metrics = evaluate(
             model, eval_blocks, accelerator=accelerator, precision=precision, batch_size=cfg.eval.batch_size
         )
-        state.eval_loss = metrics["eval/loss"]
-        if state.best_eval_loss is None or state.eval_loss < state.best_eval_loss:
-            state.best_eval_loss = state.eval_loss
-        if cfg.eval.sample_tokens and accelerator.is_main_process:
-            text = generate_sample(
-                accelerator.unwrap_model(model),
-                tokenizer,
-                cfg.eval.prompt,
-                cfg.eval.sample_tokens,
-                accelerator.device,
-            )
+        state.record_eval(metrics["eval/loss"])
+        if cfg.eval.sample_tokens:  # every rank: a sharded model generates on all of them
+            text = generate_sample(model, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens, accelerator)
             tracker.log_samples(state.step, [(cfg.eval.prompt, text)])
         return metrics
 
@@ -206,11 +198,8 @@ def train(cfg, cleanup: ExitStack) -> None:
     model.train()
     batches = iter(train_data)
     # The loop's random numbers (dropout) start from a known state whatever ran before it: a fresh
-    # run seeds it (per rank, so replicas drop different units), a resumed run continues the saved one.
-    if resume_from:
-        restore_rng_state(loop_rng)
-    else:
-        set_seed(cfg.run.seed + info.rank)
+    # run seeds it, a resumed run continues the saved one.
+    loop_rng.start()
     preemption = cleanup.enter_context(PreemptionHandler())
     progress = tqdm(
         total=cfg.train.max_steps,
@@ -298,14 +287,17 @@ def train(cfg, cleanup: ExitStack) -> None:
             progress.write(format_log_line(state.step, metrics, cfg.train.max_steps))
 
         stop = preemption.should_stop(accelerator)
+        checkpointer.poll()  # commits a background save once every rank has written it
         if (
             stop or final_step or (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
         ):  # 8. checkpoint
             save_checkpoint()
         if stop:
+            checkpointer.wait()
             say(f"[lmpretrain] stopped by signal after step {state.step}; resume with the same command")
             return
     progress.close()
+    checkpointer.wait()
 
     # ---- Finish: export model + tokenizer for from_pretrained / pipeline() -------------------------
     train_data.close()
@@ -314,22 +306,15 @@ def train(cfg, cleanup: ExitStack) -> None:
         say(f"[lmpretrain] parameter sha256 per rank: {' '.join(digests)}")
         if len(set(digests)) != 1:
             raise RuntimeError(f"ranks hold different parameters after training: {digests}")
-    final = out / "final"
-    # Gathers shards under FSDP (every rank must call it). DeepSpeed ZeRO-1/2 ranks hold whole weights,
-    # and accelerate's copy of them would untie tied embeddings, so the module saves its own.
-    weights = None if deepspeed else accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(final, state_dict=weights, safe_serialization=True)
-        tokenizer.save_pretrained(final)
-        sample = generate_sample(
-            accelerator.unwrap_model(model), tokenizer, cfg.eval.prompt, 48, accelerator.device
-        )
-        say(f"[lmpretrain] done: step {state.step}, eval loss {state.eval_loss:.4f}, model saved to {final}")
-        say(f"[lmpretrain] sample: {sample!r}")
+    final = export_pretrained(model, tokenizer, out / "final", accelerator)  # every rank: gathers shards
+    sample = generate_sample(model, tokenizer, cfg.eval.prompt, 48, accelerator)
+    say(f"[lmpretrain] done: step {state.step}, eval loss {state.eval_loss:.4f}, model saved to {final}")
+    say(f"[lmpretrain] sample: {sample!r}")
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except UserError as err:  # a problem to fix, not a bug: one message, no traceback
-        sys.exit(report_user_error(err))
+        runtime.exit_process(report_user_error(err))
+    runtime.exit_process(0)  # see exit_process: a clean exit that gloo's threads cannot abort

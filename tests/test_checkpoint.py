@@ -1,4 +1,5 @@
-"""Checkpoints: exact round trips, atomic writes under real kills, discovery, retention, fingerprints."""
+"""Checkpoints: exact round trips of a model, its optimizer and stateful objects in both formats, atomic
+writes under real kills (sync and async), refusals, discovery, retention, fingerprints, 2 real ranks."""
 
 import json
 import logging
@@ -19,16 +20,18 @@ from lmpretrain.checkpoint import (
     MARKER_FILE,
     Checkpointer,
     CheckpointError,
+    PerRank,
     check_output_dir_writable,
     checkpoint_problem,
-    merge_data_states,
 )
 from lmpretrain.errors import CheckpointMismatchError
 from lmpretrain.fingerprint import check_fingerprint
-from lmpretrain.rng import capture_rng_state, restore_rng_state
+from lmpretrain.rng import LoopRNG, capture_rng_state, restore_rng_state
+from lmpretrain.state import TrainState
 from recipe_runner import launch_two_ranks
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+FORMATS = ["full", "sharded"]
 
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
@@ -76,57 +79,76 @@ def assert_same_tensors(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+class Box:
+    """The smallest stateful object: holds one plain value."""
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
 def save_simple(ck: Checkpointer, step: int, eval_loss=None, model=None) -> Path:
     model = model or torch.nn.Linear(3, 2)
-    trainer_state = {"step": step, "eval_loss": eval_loss, "world_size": 1}
-    return ck.save(
-        step,
-        model=model,
-        optimizer=adamw(model),
-        data_state={"streams": {0: {"pos": step}}},
-        trainer_state=trainer_state,
-    )
+    states = {"train": Box(step), "data": PerRank(Box({"pos": step}))}
+    return ck.save(step, model=model, optimizer=adamw(model), states=states, meta={"eval_loss": eval_loss})
+
+
+def load_simple(ck: Checkpointer, path) -> tuple[int, dict]:
+    model = torch.nn.Linear(3, 2)
+    train_box, data_box = Box(), Box()
+    ck.load(path, model=model, optimizer=adamw(model), states={"train": train_box, "data": PerRank(data_box)})
+    return train_box.value, data_box.value
 
 
 # ---- round trips -------------------------------------------------------------------------------------
 
 
-def test_round_trip_restores_weights_optimizer_rng_data_and_trainer_state(tmp_path):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_restores_weights_optimizer_and_every_state(tmp_path, fmt):
     model = tiny_llama(0)
     optimizer = adamw(model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
     train(model, optimizer, 3)
     for _ in range(3):
         scheduler.step()
+    state = TrainState(step=3, tokens_seen=72, wandb_run_id="abc123")
+    state.record_eval(2.75)
+    data = Box(
+        {"streams": {0: {"pos": torch.tensor([3, 4]), "window": [1, 2], "doc": "a.py"}, 2: {"pos": 7}}}
+    )
     random.seed(5)
     np.random.seed(6)
-    data_state = {
-        "streams": {0: {"pos": torch.tensor([3, 4]), "window": [1, 2], "doc": "a.py"}, 2: {"pos": 7}}
-    }
-    trainer_state = {
-        "step": 3,
-        "tokens_seen": 72,
-        "best_eval_loss": 2.5,
-        "eval_loss": 2.75,
-        "skipped_steps": 0,
-        "wandb_run_id": "abc123",
-        "scheduler": scheduler.state_dict(),
-        "scaler": None,
-        "world_size": 1,
-        "config": {"optim": {"lr": 3e-3}},
-        "fingerprint": {"seq_len": 12},
-    }
-    path = Checkpointer(tmp_path).save(
-        3, model=model, optimizer=optimizer, data_state=data_state, trainer_state=trainer_state
+    states = {"train": state, "scheduler": scheduler, "data": PerRank(data), "rng": PerRank(LoopRNG(0))}
+    path = Checkpointer(tmp_path, format=fmt).save(
+        3, model=model, optimizer=optimizer, states=states, meta={"config": {"optim": {"lr": 3e-3}}}
     )
     assert path == tmp_path / "checkpoints" / "step-00000003"
     expected_draws = draws()
 
     fresh = tiny_llama(1)
     fresh_optimizer = adamw(fresh)
+    fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda s: min(1.0, (s + 1) / 10))
+    fresh_state, fresh_data, fresh_rng = TrainState(), Box(), LoopRNG(0)
     random.seed(99)
-    data, saved = Checkpointer(tmp_path).load(path, model=fresh, optimizer=fresh_optimizer)
-
+    meta = Checkpointer(tmp_path, format=fmt).load(
+        path,
+        model=fresh,
+        optimizer=fresh_optimizer,
+        states={
+            "train": fresh_state,
+            "scheduler": fresh_scheduler,
+            "data": PerRank(fresh_data),
+            "rng": PerRank(fresh_rng),
+        },
+    )
+    assert meta["config"] == {"optim": {"lr": 3e-3}} and meta["format"] == fmt and meta["world_size"] == 1
+    assert random.random() != expected_draws[0]  # loading stores the RNG state; start() applies it
+    fresh_rng.start()
     got_draws = draws()
     assert got_draws[:2] == expected_draws[:2] and torch.equal(got_draws[2], expected_draws[2])
     assert_same_tensors(fresh.state_dict(), model.state_dict())
@@ -136,10 +158,10 @@ def test_round_trip_restores_weights_optimizer_rng_data_and_trainer_state(tmp_pa
     for key in live["state"]:
         assert_same_tensors(live["state"][key], loaded["state"][key])
     assert loaded["state"][0]["step"].item() == 3
-    assert json.dumps(saved, sort_keys=True) == json.dumps(trainer_state, sort_keys=True)
-    assert data.keys() == {"streams"} and data["streams"].keys() == {0, 2}
-    assert torch.equal(data["streams"][0]["pos"], torch.tensor([3, 4]))
-    assert data["streams"][0]["window"] == [1, 2] and data["streams"][2] == {"pos": 7}
+    assert fresh_scheduler.state_dict() == scheduler.state_dict()
+    assert fresh_state == state and fresh_state.eval_step == 3
+    assert torch.equal(fresh_data.value["streams"][0]["pos"], torch.tensor([3, 4]))
+    assert fresh_data.value["streams"][0]["window"] == [1, 2] and fresh_data.value["streams"][2] == {"pos": 7}
 
 
 def test_rng_helpers_round_trip_every_generator():
@@ -150,18 +172,33 @@ def test_rng_helpers_round_trip_every_generator():
     assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
 
 
-def test_resumed_training_is_bit_identical_to_uninterrupted(tmp_path):
+def test_a_fresh_loop_rng_seeds_every_generator():
+    LoopRNG(7).start()
+    first = draws()
+    random.random(), torch.rand(5)
+    LoopRNG(7).start()
+    second = draws()
+    assert first[:2] == second[:2] and torch.equal(first[2], second[2])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_resumed_training_is_bit_identical_to_uninterrupted(tmp_path, fmt):
     model = tiny_llama(0)
     optimizer = adamw(model)
     train(model, optimizer, 3)
-    ck = Checkpointer(tmp_path)
-    path = ck.save(3, model=model, optimizer=optimizer, data_state={}, trainer_state={"step": 3})
+    ck = Checkpointer(tmp_path, format=fmt)
+    rng = LoopRNG(0)
+    path = ck.save(3, model=model, optimizer=optimizer, states={"rng": PerRank(rng)})
     straight = train(model, optimizer, 3)
 
     torch.manual_seed(1234)  # the resumed process starts from different RNG state and weights
     resumed_model = tiny_llama(7)
     resumed_optimizer = adamw(resumed_model)
-    ck.load(ck.latest(), model=resumed_model, optimizer=resumed_optimizer)
+    resumed_rng = LoopRNG(0)
+    ck.load(
+        ck.latest(), model=resumed_model, optimizer=resumed_optimizer, states={"rng": PerRank(resumed_rng)}
+    )
+    resumed_rng.start()
     resumed = train(resumed_model, resumed_optimizer, 3)
 
     assert path == ck.latest()
@@ -173,52 +210,91 @@ def test_model_file_is_safetensors_with_the_tied_alias_stored_once(tmp_path):
     from safetensors import safe_open
 
     model = tiny_llama(0)
-    path = Checkpointer(tmp_path).save(
-        0, model=model, optimizer=adamw(model), data_state={}, trainer_state={"step": 0}
-    )
+    path = Checkpointer(tmp_path).save(0, model=model, optimizer=adamw(model), states={})
     with safe_open(path / "model.safetensors", framework="pt") as f:
         keys = set(f.keys())
     assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
     assert keys | {"lm_head.weight"} == set(model.state_dict())
 
 
-def test_saving_an_unstepped_optimizer_leaves_it_untouched(tmp_path):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_saving_an_unstepped_optimizer_leaves_it_untouched(tmp_path, fmt):
     # torch's get_optimizer_state_dict would initialise it with a fake step (step=1), changing the run.
     model = torch.nn.Linear(3, 2)
     optimizer = adamw(model)
-    path = Checkpointer(tmp_path).save(
-        0, model=model, optimizer=optimizer, data_state={}, trainer_state={"step": 0}
-    )
+    path = Checkpointer(tmp_path, format=fmt).save(0, model=model, optimizer=optimizer, states={})
     assert not optimizer.state
     stepped_model = torch.nn.Linear(3, 2)
     stepped = adamw(stepped_model)
     stepped_model(torch.ones(1, 3)).sum().backward()
     stepped.step()
     stepped.param_groups[0]["lr"] = 1.0
-    Checkpointer(tmp_path).load(path, model=stepped_model, optimizer=stepped)
+    Checkpointer(tmp_path, format=fmt).load(path, model=stepped_model, optimizer=stepped, states={})
     assert not stepped.state and stepped.param_groups[0]["lr"] == 3e-3
     assert_same_tensors(stepped_model.state_dict(), model.state_dict())
 
 
-def test_data_state_that_cannot_be_loaded_safely_is_refused_before_writing(tmp_path):
+def test_sharded_format_writes_dcp_shards_and_no_whole_files(tmp_path):
+    model = tiny_llama(0)
+    optimizer = adamw(model)
+    train(model, optimizer, 1)
+    path = Checkpointer(tmp_path, format="sharded").save(1, model=model, optimizer=optimizer, states={})
+    names = set(json.loads((path / MARKER_FILE).read_text()))
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "meta.json", "states.pt", "rank-00000.pt"} <= names
+    assert "model.safetensors" not in names and "optimizer.pt" not in names
+
+
+# ---- refusals: nothing is written, nothing older is touched --------------------------------------------
+
+
+def test_state_that_cannot_be_loaded_safely_is_refused_before_writing(tmp_path):
     ck = Checkpointer(tmp_path)
     model = torch.nn.Linear(3, 2)
-    with pytest.raises(CheckpointError, match=r"numpy.int64.*convert"):
-        ck.save(
-            1,
-            model=model,
-            optimizer=adamw(model),
-            data_state={"streams": {0: {"pos": np.int64(3)}}},
-            trainer_state={"step": 1},
-        )
+    with pytest.raises(CheckpointError, match=r"state 'data'.*numpy.int64.*convert"):
+        ck.save(1, model=model, optimizer=adamw(model), states={"data": PerRank(Box(np.int64(3)))})
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
 
 
-def test_merge_data_states_merges_streams_and_refuses_conflicts():
-    merged = merge_data_states([{"streams": {0: {"pos": 1}, 2: {"pos": 3}}}, {"streams": {1: {"pos": 2}}}])
-    assert merged == {"streams": {0: {"pos": 1}, 2: {"pos": 3}, 1: {"pos": 2}}}
-    with pytest.raises(CheckpointError, match="stream 0"):
-        merge_data_states([{"streams": {0: {"pos": 1}}}, {"streams": {0: {"pos": 2}}}])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_finite_weights_are_never_committed(tmp_path, fmt):
+    ck = Checkpointer(tmp_path, format=fmt)
+    model = tiny_llama(0)
+    optimizer = adamw(model)
+    train(model, optimizer, 1)
+    first = ck.save(1, model=model, optimizer=optimizer, states={})
+    before = sorted(p.name for p in first.iterdir())
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(
+        CheckpointError, match=r"model.layers.1.mlp.up_proj.weight.*inf/NaN at step 2.*intact"
+    ):
+        ck.save(2, model=model, optimizer=optimizer, states={})
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [first.name]  # no step-2, no tmp
+    assert ck.latest() == first and sorted(p.name for p in first.iterdir()) == before
+
+
+def test_a_state_missing_from_the_checkpoint_is_named(tmp_path):
+    ck = Checkpointer(tmp_path)
+    path = save_simple(ck, 1)
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(CheckpointError, match=r"no state 'guard' \(it has \['train'\]\)"):
+        ck.load(path, model=model, optimizer=adamw(model), states={"train": Box(), "guard": Box()})
+
+
+def test_per_rank_states_merge_when_asked(tmp_path):
+    ck = Checkpointer(tmp_path)
+    path = save_simple(ck, 4)
+    merged = Box()
+    model = torch.nn.Linear(3, 2)
+    ck.load(
+        path,
+        model=model,
+        optimizer=adamw(model),
+        states={
+            "data": PerRank(merged, merge=lambda saved: {"value": {"ranks": len(saved), **saved[0]["value"]}})
+        },
+    )
+    assert merged.value == {"ranks": 1, "pos": 4}
 
 
 # ---- validity, discovery, retention ---------------------------------------------------------------------
@@ -233,23 +309,28 @@ def test_directory_without_marker_is_ignored(tmp_path, caplog):
         assert ck.latest() == first
     assert "step-00000002" in caplog.text and "no COMPLETE marker" in caplog.text
     with pytest.raises(CheckpointError, match="no COMPLETE marker"):
-        ck.load(second, model=torch.nn.Linear(3, 2), optimizer=adamw(torch.nn.Linear(3, 2)))
+        load_simple(ck, second)
 
 
-def test_truncated_newest_checkpoint_falls_back_to_previous_with_warning(tmp_path, caplog):
-    ck = Checkpointer(tmp_path)
-    first = save_simple(ck, 1)
-    second = save_simple(ck, 2)
-    optim_file = second / "optimizer.pt"
-    optim_file.write_bytes(optim_file.read_bytes()[:100])
+@pytest.mark.parametrize("fmt,victim", [("full", "optimizer.pt"), ("sharded", "dcp/__0_0.distcp")])
+def test_truncated_newest_checkpoint_falls_back_to_previous_with_warning(tmp_path, caplog, fmt, victim):
+    ck = Checkpointer(tmp_path, format=fmt)
+    model = tiny_llama(0)
+    optimizer = adamw(model)
+    train(model, optimizer, 1)
+    states = {"train": Box(1)}
+    first = ck.save(1, model=model, optimizer=optimizer, states=states)
+    ck.save(2, model=model, optimizer=optimizer, states={"train": Box(2)})
+    damaged = tmp_path / "checkpoints" / "step-00000002" / victim
+    damaged.write_bytes(damaged.read_bytes()[:100])
     with caplog.at_level(logging.WARNING, logger="lmpretrain.checkpoint"):
         assert ck.latest() == first
     assert (
         "ignoring checkpoint" in caplog.text and "step-00000002" in caplog.text and "truncated" in caplog.text
     )
-    model = torch.nn.Linear(3, 2)
-    data, state = ck.load(ck.latest(), model=model, optimizer=adamw(model))
-    assert state["step"] == 1 and data == {"streams": {0: {"pos": 1}}}
+    box, fresh = Box(), tiny_llama(3)
+    ck.load(ck.latest(), model=fresh, optimizer=adamw(fresh), states={"train": box})
+    assert box.value == 1
 
 
 def test_retention_keeps_the_last_k_and_the_best_eval_loss(tmp_path):
@@ -260,18 +341,30 @@ def test_retention_keeps_the_last_k_and_the_best_eval_loss(tmp_path):
     assert kept == ["step-00000002", "step-00000004", "step-00000005"]
 
 
+def test_best_uses_only_an_eval_run_at_the_saved_step():
+    state = TrainState(step=10)
+    state.record_eval(1.5)
+    assert state.eval_loss_now == 1.5 and state.best_eval_loss == 1.5
+    state.step = 11  # a checkpoint at step 11 must not claim step 10's eval loss
+    assert state.eval_loss_now is None and state.eval_loss == 1.5
+    state.record_eval(2.0)
+    assert state.eval_loss_now == 2.0 and state.best_eval_loss == 1.5
+
+
 def test_saving_the_same_step_again_replaces_it(tmp_path):
     ck = Checkpointer(tmp_path)
     save_simple(ck, 1, eval_loss=2.0)
     path = save_simple(ck, 1, eval_loss=1.0)
     assert checkpoint_problem(path) is None
-    assert json.loads((path / "trainer_state.json").read_text())["eval_loss"] == 1.0
+    assert json.loads((path / "meta.json").read_text())["eval_loss"] == 1.0
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
 
 
-def test_a_failed_write_raises_and_leaves_no_directory(tmp_path, monkeypatch):
-    ck = Checkpointer(tmp_path)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_write_raises_and_leaves_no_directory(tmp_path, monkeypatch, async_save):
+    ck = Checkpointer(tmp_path, async_save=async_save)
     first = save_simple(ck, 1)
+    ck.wait()
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -279,12 +372,28 @@ def test_a_failed_write_raises_and_leaves_no_directory(tmp_path, monkeypatch):
     monkeypatch.setattr("safetensors.torch.save_file", disk_full)
     with pytest.raises(CheckpointError, match="No space left on device"):
         save_simple(ck, 2)
+        ck.wait()  # an async write fails in the background; the commit reports it
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [first.name]
     assert ck.latest() == first
 
 
-# A child process that saves step 1, then is SIGKILLed in the middle of saving step 2: either while
-# optimizer.pt is half written, or after every file and the marker are written but before the rename.
+def test_async_save_writes_the_state_of_the_step_it_was_called_at(tmp_path):
+    ck = Checkpointer(tmp_path, async_save=True)
+    model = tiny_llama(0)
+    optimizer = adamw(model)
+    train(model, optimizer, 2)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    path = ck.save(2, model=model, optimizer=optimizer, states={})
+    train(model, optimizer, 2)  # training goes on while (or before) the write happens
+    assert ck.wait() == path and checkpoint_problem(path) is None
+    fresh = tiny_llama(5)
+    ck.load(path, model=fresh, optimizer=adamw(fresh), states={})
+    assert_same_tensors(fresh.state_dict(), expected)
+
+
+# A child process that saves step 1, then is SIGKILLed in the middle of saving step 2: while
+# optimizer.pt is half written, after every file and the marker are written but before the rename, or
+# (async) while the background thread writes the weights and the training loop has moved on.
 CRASH_CHILD = textwrap.dedent("""
     import os, sys, time, torch
     from lmpretrain.checkpoint import Checkpointer
@@ -294,8 +403,9 @@ CRASH_CHILD = textwrap.dedent("""
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 4)).sum().backward()
     optimizer.step()
-    ck = Checkpointer(out)
-    ck.save(1, model=model, optimizer=optimizer, data_state={}, trainer_state={"step": 1, "world_size": 1})
+    ck = Checkpointer(out, async_save=where == "async-write")
+    ck.save(1, model=model, optimizer=optimizer, states={})
+    ck.wait()
 
     def hang(message):
         print(message, flush=True)
@@ -307,6 +417,12 @@ CRASH_CHILD = textwrap.dedent("""
             f.flush()
             hang("WRITING")
         torch.save = half_save
+    elif where == "async-write":
+        import safetensors.torch
+        def slow_write(tensors, path, metadata=None):
+            open(path, "wb").write(b"partial")
+            time.sleep(60)
+        safetensors.torch.save_file = slow_write
     else:
         real_rename = os.rename
         def stalled_rename(src, dst):
@@ -314,11 +430,12 @@ CRASH_CHILD = textwrap.dedent("""
                 hang("RENAMING")
             return real_rename(src, dst)
         os.rename = stalled_rename
-    ck.save(2, model=model, optimizer=optimizer, data_state={}, trainer_state={"step": 2, "world_size": 1})
+    ck.save(2, model=model, optimizer=optimizer, states={})
+    hang("TRAINING ON")  # only an async save returns before its files are written
 """)
 
 
-@pytest.mark.parametrize("where", ["mid-write", "before-rename"])
+@pytest.mark.parametrize("where", ["mid-write", "before-rename", "async-write"])
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, where):
     script = tmp_path / "child.py"
     script.write_text(CRASH_CHILD)
@@ -330,9 +447,10 @@ def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, wher
         stderr=subprocess.PIPE,
         text=True,
     )
+    expected = {"mid-write": "WRITING", "before-rename": "RENAMING", "async-write": "TRAINING ON"}[where]
     try:
         line = child.stdout.readline()
-        assert line.strip() in ("WRITING", "RENAMING"), child.stderr.read()
+        assert line.strip() == expected, child.stderr.read()
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     finally:
@@ -343,13 +461,80 @@ def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, wher
     assert len(leftovers) == 1  # the interrupted save, never named step-*
     if where == "before-rename":  # complete files and marker, but not committed: still never loaded
         assert (ckdir / leftovers[0] / MARKER_FILE).exists()
+    else:
+        assert not (ckdir / leftovers[0] / MARKER_FILE).exists()
     ck = Checkpointer(tmp_path / "run")
     assert ck.latest() == ckdir / "step-00000001"
     model = torch.nn.Linear(4, 4)
-    _, state = ck.load(ck.latest(), model=model, optimizer=adamw(model))
-    assert state["step"] == 1
+    ck.load(ck.latest(), model=model, optimizer=adamw(model), states={})
     save_simple(ck, 3, model=torch.nn.Linear(4, 4))  # the next save removes the leftover
     assert sorted(p.name for p in ckdir.iterdir()) == ["step-00000001", "step-00000003"]
+
+
+# ---- final/ export -----------------------------------------------------------------------------------------
+
+# A child that exports a model to final/, then is SIGKILLed while exporting it again (the tokenizer
+# files are being written): final/ must still be the first export, complete.
+EXPORT_CHILD = textwrap.dedent("""
+    import sys, time, torch
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from lmpretrain.export import export_pretrained
+    from lmpretrain.tokenizer import load_tokenizer
+
+    out = sys.argv[1]
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    tokenizer = load_tokenizer("builtin:python-stdlib")
+    export_pretrained(model, tokenizer, f"{out}/final", accelerator)
+    print("EXPORTED", flush=True)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # the second export would differ
+    def hang(*args, **kwargs):
+        print("WRITING", flush=True)
+        time.sleep(60)
+    tokenizer.save_pretrained = hang
+    export_pretrained(model, tokenizer, f"{out}/final", accelerator)
+""")
+
+
+def test_an_interrupted_export_leaves_the_previous_final_complete(tmp_path, stdlib_cache):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    script = tmp_path / "child.py"
+    script.write_text(EXPORT_CHILD)
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def read_until(word: str) -> None:
+        for line in child.stdout:  # libraries may print their own lines first
+            if line.strip() == word:
+                return
+        pytest.fail(f"the child ended before {word}: {child.stderr.read()}")
+
+    try:
+        read_until("EXPORTED")
+        first = (tmp_path / "final" / "model.safetensors").read_bytes()
+        read_until("WRITING")
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+        child.communicate()
+    assert [p.name for p in tmp_path.glob(".tmp-final-*")]  # the interrupted export, never named final
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == first
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    AutoTokenizer.from_pretrained(tmp_path / "final")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 # ---- resume resolution, output dir ----------------------------------------------------------------------
@@ -369,8 +554,8 @@ def test_resolve_resume_auto_never_and_path(tmp_path):
         ck.resolve_resume(str(tmp_path / "nope"), overwrite=False)
     with pytest.raises(CheckpointError, match="looks like an output dir"):
         ck.resolve_resume(str(tmp_path), overwrite=False)
-    (first / "trainer_state.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="is not a loadable checkpoint.*trainer_state.json"):
+    (first / "meta.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="is not a loadable checkpoint.*meta.json"):
         ck.resolve_resume(str(first), overwrite=False)
     assert ck.resolve_resume("never", overwrite=True) is None
     assert list((tmp_path / "checkpoints").iterdir()) == []
@@ -446,119 +631,160 @@ RANK_WORKER = textwrap.dedent("""
     import json, os, random, sys
     import numpy as np, torch
     from accelerate import PartialState
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from lmpretrain.checkpoint import Checkpointer
+    from lmpretrain.checkpoint import Checkpointer, PerRank
     from lmpretrain.errors import CheckpointError
+    from lmpretrain.rng import LoopRNG
 
     out = sys.argv[1]
     state = PartialState(cpu=True)
     rank = state.process_index
     assert state.num_processes == 2, state
 
+    class Streams:
+        def __init__(self, streams=None): self.streams = streams
+        def state_dict(self): return {"streams": self.streams}
+        def load_state_dict(self, s): self.streams = s["streams"]
+
+    def merge(saved):
+        return {"streams": {k: v for s in saved for k, v in s["streams"].items()}}
+
     def draws():
         return [random.random(), np.random.rand(), torch.rand(1).item()]
 
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    random.seed(10 + rank); np.random.seed(20 + rank); torch.manual_seed(30 + rank)
-    for _ in range(2):
-        model(torch.randn(3, 4)).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    ck = Checkpointer(out, state)
-    streams = {rank: {"pos": torch.tensor([rank, 1])}, rank + 2: {"pos": torch.tensor([rank, 2])}}
-    path = ck.save(2, model=model, optimizer=optimizer, data_state={"streams": streams},
-                   trainer_state={"step": 2, "world_size": 2})
-    expected = draws()
-    weights = {k: v.clone() for k, v in model.module.state_dict().items()}
-
-    torch.manual_seed(99)
-    fresh = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
-    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    data, trainer_state = ck.load(path, model=fresh, optimizer=fresh_optimizer)
-    got = draws()
-    same_weights = all(torch.equal(weights[k], v) for k, v in fresh.module.state_dict().items())
-
-    # A save that fails on one rank only must raise on both, not hang, and leave nothing behind.
-    bad = {"streams": {rank: {"pos": np.int64(1) if rank == 1 else 1}}}
-    try:
-        ck.save(3, model=model, optimizer=optimizer, data_state=bad, trainer_state={"step": 3, "world_size": 2})
-        failed = "no error"
-    except CheckpointError as err:
-        failed = str(err)
-
-    # FSDP2 (fully_shard runs on gloo): parameters are DTensor shards; the checkpoint holds full
-    # tensors, and a fresh sharded model loaded from it continues exactly like the original.
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def model_of(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 10))
 
     def sharded(seed):
-        torch.manual_seed(seed)
-        m = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 10))
+        m = model_of(seed)
         for layer in m:
             fully_shard(layer)
         return fully_shard(m)
 
-    def fsdp_step(m, opt):
+    def step(m, opt):
         m(torch.randint(0, 10, (4,))).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
 
-    fsdp_ck = Checkpointer(os.path.join(out, "fsdp"), state)
-    m1 = sharded(0)
-    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2)
-    fsdp_step(m1, o1)
-    fsdp_path = fsdp_ck.save(1, model=m1, optimizer=o1, data_state={}, trainer_state={"step": 1})
-    fsdp_step(m1, o1)
-    m2 = sharded(1)
-    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
-    fsdp_ck.load(fsdp_path, model=m2, optimizer=o2)
-    fsdp_step(m2, o2)
-    full = StateDictOptions(full_state_dict=True)
-    a, b = get_model_state_dict(m1, options=full), get_model_state_dict(m2, options=full)
-    fsdp_ok = type(next(m2.parameters())).__name__ == "DTensor" and all(torch.equal(a[k], b[k]) for k in a)
+    full_sd = StateDictOptions(full_state_dict=True)
+    result = {}
+    # DDP and FSDP2, both formats, sync and async: per-rank RNG and data come back, weights continue
+    # exactly; the saved FSDP2 weights are written for the single-process reload below.
+    for wrap, fmt, async_save in [("ddp", "full", False), ("ddp", "sharded", True),
+                                  ("fsdp2", "full", False), ("fsdp2", "sharded", False), ("fsdp2", "sharded", True)]:
+        name = f"{wrap}-{fmt}-{'async' if async_save else 'sync'}"
+        make = (lambda seed: DDP(model_of(seed))) if wrap == "ddp" else sharded
+        ck = Checkpointer(os.path.join(out, name), state, format=fmt, async_save=async_save)
+        m1 = make(0)
+        o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+        step(m1, o1)
+        random.seed(10 + rank); np.random.seed(20 + rank); torch.manual_seed(30 + rank)
+        streams = {rank: {"pos": torch.tensor([rank, 1])}, rank + 2: {"pos": torch.tensor([rank, 2])}}
+        rng = LoopRNG(0)
+        path = ck.save(1, model=m1, optimizer=o1, states={"data": PerRank(Streams(streams), merge), "rng": PerRank(rng)})
+        expected = draws()
+        at_save = get_model_state_dict(m1, options=full_sd)  # a collective under FSDP2
+        if rank == 0:
+            torch.save(at_save, os.path.join(out, name, "weights-at-save.pt"))
+        step(m1, o1)  # an async write must not see this step
+        ck.wait()
+        m2 = make(1)
+        o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+        data, rng2 = Streams(), LoopRNG(0)
+        ck.load(path, model=m2, optimizer=o2, states={"data": PerRank(data, merge), "rng": PerRank(rng2)})
+        rng2.start()
+        got = draws()
+        step(m2, o2)
+        a, b = get_model_state_dict(m1, options=full_sd), get_model_state_dict(m2, options=full_sd)
+        sharded_params = type(next(m2.parameters())).__name__ == "DTensor"
+        result[name] = {"rng_ok": got == expected, "rng": expected, "streams": sorted(data.streams),
+                        "same_after_a_step": all(torch.equal(a[k], b[k]) for k in a),
+                        "dtensor": sharded_params, "latest": str(ck.latest())}
+        ck.close()
 
-    result = {"expected": expected, "got": got, "same_weights": same_weights, "streams": sorted(data["streams"]),
-              "step": trainer_state["step"], "failed": failed, "latest": str(ck.latest()), "fsdp_ok": fsdp_ok}
+    # A save that fails on one rank only must raise on both, not hang, and leave nothing behind.
+    ck = Checkpointer(os.path.join(out, "ddp-full-sync"), state)
+    m = DDP(model_of(0))
+    bad = Streams({rank: {"pos": np.int64(1) if rank == 1 else 1}})
+    try:
+        ck.save(3, model=m, optimizer=torch.optim.AdamW(m.parameters()), states={"data": PerRank(bad)})
+        result["failed"] = "no error"
+    except CheckpointError as err:
+        result["failed"] = str(err)
     with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
         json.dump(result, f)
     state.wait_for_everyone()
-    torch.distributed.destroy_process_group()  # an undestroyed gloo group can abort at interpreter exit
+    state.destroy_process_group()
 """)
 
 
-def test_two_ranks_save_their_own_rng_and_data_and_get_them_back_ddp_and_fsdp2(tmp_path):
-    script = tmp_path / "worker.py"
+@pytest.fixture(scope="module")
+def two_rank_checkpoints(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two-ranks")
+    script = out / "worker.py"
     script.write_text(RANK_WORKER)
-    out = tmp_path / "run"
-    out.mkdir()
-    launch_two_ranks(script, str(out))
-    results = [json.loads((out / f"result-{rank}.json").read_text()) for rank in range(2)]
+    launch_two_ranks(script, str(out), timeout=300)
+    return out, [json.loads((out / f"result-{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_two_ranks_save_and_get_back_their_own_rng_data_weights_and_moments(two_rank_checkpoints):
+    out, results = two_rank_checkpoints
     for rank, r in enumerate(results):
-        assert r["got"] == r["expected"], rank
-        assert r["same_weights"] and r["step"] == 2 and r["streams"] == [0, 1, 2, 3]
-        assert r["latest"].endswith("step-00000002")
-        assert r["fsdp_ok"], rank
+        for name, case in r.items():
+            if name == "failed":
+                continue
+            assert case["rng_ok"] and case["same_after_a_step"], (rank, name)
+            assert case["streams"] == [0, 1, 2, 3], (rank, name)  # every rank's streams, merged
+            assert case["dtensor"] == name.startswith("fsdp2"), (rank, name)
+            assert case["latest"].endswith("step-00000001"), (rank, name)
+    assert results[0]["ddp-full-sync"]["rng"] != results[1]["ddp-full-sync"]["rng"]  # distinct RNG streams
+    assert sorted(
+        p.name for p in (out / "fsdp2-sharded-sync" / "checkpoints" / "step-00000001").iterdir()
+    ) == [
+        "COMPLETE",
+        "dcp",
+        "meta.json",
+        "rank-00000.pt",
+        "rank-00001.pt",
+        "states.pt",
+    ]
+
+
+def test_a_save_failing_on_one_rank_raises_on_both(two_rank_checkpoints):
+    out, results = two_rank_checkpoints
     assert results[0]["failed"].startswith("another rank failed to start step-00000003")
     assert (
         results[1]["failed"].startswith("failed to start step-00000003")
         and "numpy.int64" in results[1]["failed"]
     )
-    assert results[0]["expected"] != results[1]["expected"]  # the ranks really had different RNG streams
-    path = out / "checkpoints" / "step-00000002"
-    assert sorted(p.name for p in path.iterdir()) == [
-        "COMPLETE",
-        "model.safetensors",
-        "optimizer.pt",
-        "rank-00000.pt",
-        "rank-00001.pt",
-        "trainer_state.json",
-    ]
+    assert not (out / "ddp-full-sync" / "checkpoints" / "step-00000003").exists()
 
-    # Resuming on a different world size (1 process): every rank's streams, rank 0's RNG.
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    data, _ = Checkpointer(out).load(path, model=model, optimizer=torch.optim.AdamW(model.parameters()))
-    assert sorted(data["streams"]) == [0, 1, 2, 3]
-    assert torch.equal(data["streams"][3]["pos"], torch.tensor([1, 2]))
-    assert [random.random(), np.random.rand(), torch.rand(1).item()] == results[0]["expected"]
+
+@pytest.mark.parametrize("name", ["fsdp2-sharded-async", "fsdp2-full-sync"])
+def test_a_two_rank_fsdp2_checkpoint_loads_into_one_process(two_rank_checkpoints, name):
+    """DCP reshards onto a different process count; the full format needs no resharding."""
+    out, results = two_rank_checkpoints
+    path = out / name / "checkpoints" / "step-00000001"
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    class Streams:
+        streams = None
+
+        def load_state_dict(self, s):
+            self.streams = s
+
+    data, rng = Streams(), LoopRNG(0)
+    merge = lambda saved: {k: v for s in saved for k, v in s["streams"].items()}  # noqa: E731
+    Checkpointer(out / name).load(
+        path, model=model, optimizer=optimizer, states={"data": PerRank(data, merge), "rng": PerRank(rng)}
+    )
+    assert sorted(data.streams) == [0, 1, 2, 3] and torch.equal(data.streams[3]["pos"], torch.tensor([1, 2]))
+    rng.start()  # rank 0's RNG state
+    assert [random.random(), np.random.rand(), torch.rand(1).item()] == results[0][name]["rng"]
+    assert optimizer.state[model[1].weight]["exp_avg"].shape == (8, 8)  # whole moments, from two shards
+    assert_same_tensors(model.state_dict(), torch.load(out / name / "weights-at-save.pt", weights_only=True))

@@ -37,6 +37,8 @@ def zero2(tmp_path_factory):
 def test_zero2_runs_what_it_says(zero2):
     assert "world_size=2 distributed_type=DEEPSPEED backend=gloo device=cpu" in zero2.output
     assert "sharding=deepspeed-zero2" in zero2.output
+    assert "Setting accelerator to CPU" in zero2.output  # DeepSpeed launches import it (and only they)
+    assert "checkpoints: format=full: whole weights from rank 0" in zero2.output
     assert "DeepSpeed precision: weights float64, master weights and optimizer state float32" in zero2.output
     line = next(t for t in zero2.output.splitlines() if "parameter sha256 per rank" in t)
     digests = line.split(":")[-1].split()
@@ -137,3 +139,8 @@ def test_ddp_checkpoint_is_not_resumed_under_deepspeed(tmp_path, two_ranks_accum
     msg = refused(tmp_path, *EXACT, "--train.max_steps=12", "--run.allow_mismatch=true", out=out)
     assert "was written without DeepSpeed" in msg
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000010"]  # nothing touched
+
+
+def test_async_checkpoints_are_refused_under_deepspeed(tmp_path):
+    out = refused(tmp_path, "--checkpoint.async_save=true")
+    assert "checkpoint.async_save=true is not supported under DeepSpeed" in out

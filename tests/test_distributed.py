@@ -44,6 +44,9 @@ def test_two_ranks_equal_one_rank_with_twice_the_micro_batch(tmp_path, two_ranks
     )
     assert "world_size=2 distributed_type=MULTI_CPU backend=gloo" in two.output
     assert "world_size=1 distributed_type=NO" in one.output
+    assert "DDP: every rank holds all 616,768 parameter values" in two.output
+    # DeepSpeed is imported only by DeepSpeed launches (test_deepspeed sees its banner there).
+    assert "Setting accelerator to CPU" not in two.output + one.output
     assert_equivalent(two, one)
 
 
@@ -140,9 +143,10 @@ def test_multi_cpu_config_is_refused(tmp_path):
     assert "asked for 2 processes but 1 started" in refused(tmp_path, [], config)
 
 
-def test_fsdp_on_cpu_is_refused_not_run_as_ddp(tmp_path):
-    out = refused(tmp_path, ["--num_processes", "2"], rr.ROOT / "configs" / "accelerate" / "fsdp.yaml")
-    assert "FSDP was requested but accelerate runs MULTI_CPU" in out
+def test_fsdp1_on_cpu_is_refused(tmp_path):
+    """FSDP2 runs on CPU (test_fsdp.py); FSDP1 would not, and is refused instead of run as DDP."""
+    out = refused(tmp_path, ["--fsdp_version", "1"], rr.ROOT / "configs" / "accelerate" / "cpu-fsdp.yaml")
+    assert "asks for FSDP version 1 on CPU; only FSDP2 runs on CPU" in out
 
 
 def test_plain_multi_gpu_flag_on_cpu_becomes_one_gloo_group(tmp_path):

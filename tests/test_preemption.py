@@ -1,5 +1,6 @@
 """Preemption: SIGTERM/SIGINT finish the step, save and exit 0; a second signal exits at once."""
 
+import contextlib
 import json
 import os
 import signal
@@ -36,8 +37,7 @@ LOOP_CHILD = textwrap.dedent("""
     step = 0
 
     def save():
-        ck.save(step, model=model, optimizer=optimizer, data_state={"streams": {0: {"pos": step}}},
-                trainer_state={"step": step, "world_size": 1})
+        ck.save(step, model=model, optimizer=optimizer, states={}, meta={"saved_step": step})
 
     while step < 100000:
         model(torch.randn(8, 4)).pow(2).mean().backward()
@@ -86,6 +86,7 @@ def start_loop(tmp_path: Path, mode: str) -> subprocess.Popen:
 def test_signal_saves_after_the_step_and_exits_0(tmp_path, sig):
     child = start_loop(tmp_path, "normal")
     try:
+        time.sleep(0.5)  # past the step-3 save, so the save on the signal is a later step
         child.send_signal(sig)
         out, err = child.communicate(timeout=60)
     finally:
@@ -95,7 +96,7 @@ def test_signal_saves_after_the_step_and_exits_0(tmp_path, sig):
     assert err.count("received") == 1
     ck = Checkpointer(tmp_path / "run")
     latest = ck.latest()
-    saved_step = json.loads((latest / "trainer_state.json").read_text())["step"]
+    saved_step = json.loads((latest / "meta.json").read_text())["saved_step"]
     assert saved_step > 3 and f"saved step {saved_step}; exiting" in out
 
 
@@ -184,3 +185,99 @@ def test_should_stop_agrees_across_ranks_when_only_one_is_signalled(tmp_path):
     outputs = launch_two_ranks(script)
     assert "rank 0: before=False after=True" in outputs[0]
     assert "rank 1: before=False after=True" in outputs[1]
+
+
+# ---- under the launcher -------------------------------------------------------------------------------
+
+# A rank that ignores SIGTERM (a save that takes too long): the launcher must SIGKILL it after its grace.
+STUBBORN_RANK = textwrap.dedent("""
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: print(f"rank {os.environ['RANK']} got SIGTERM", flush=True))
+    print(f"rank {os.environ['RANK']} ready", flush=True)
+    while True:
+        time.sleep(0.05)
+""")
+
+
+def test_the_launcher_kills_ranks_its_grace_period_after_forwarding_sigterm(tmp_path):
+    """accelerate launch (torch elastic) forwards SIGTERM, waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds
+    (30 by default), then SIGKILLs; a save on SIGTERM must fit in that window."""
+    import psutil
+
+    import recipe_runner as rr
+
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN_RANK)
+    cmd = [str(rr.ACCELERATE), "launch", "--config_file", str(rr.ROOT / "configs/accelerate/cpu-ddp.yaml")]
+    cmd += ["--main_process_port", str(rr.free_port()), str(script)]
+    env = rr.env_for_runs({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ready, deadline = 0, time.monotonic() + 120
+        while ready < 2 and time.monotonic() < deadline and proc.poll() is None:
+            ready += " ready" in proc.stdout.readline()
+        assert ready == 2, "the ranks did not start"
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+        elapsed = time.monotonic() - started
+    finally:
+        proc.kill()
+    assert "rank 0 got SIGTERM" in out and "rank 1 got SIGTERM" in out  # forwarded to the ranks
+    assert 3 <= elapsed < 10, elapsed  # then killed after the grace period, not before
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    assert proc.returncode != 0
+
+
+def test_grace_reads_torch_elastic_shutdown_timeout(monkeypatch):
+    from lmpretrain.preemption import launcher_grace_s
+
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert launcher_grace_s() == 30
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
+    assert launcher_grace_s() == 120
+
+
+def test_ranks_stop_when_their_launcher_dies_and_a_second_live_run_is_refused(tmp_path):
+    """torchrun puts ranks in their own sessions: a launcher killed with SIGKILL used to leave them
+    training to the end as orphans. Now they save and stop."""
+    import psutil
+
+    import recipe_runner as rr
+    from lmpretrain.checkpoint import Checkpointer
+
+    out = tmp_path / "run"
+    base = [*rr.QUICK, "--checkpoint.every=0", "--eval.every=0", "--optim.warmup_steps=1"]
+    base += ["--logging.wandb_mode=disabled"]
+    ranks: list[psutil.Process] = []
+    with open(tmp_path / "first.log", "w") as log:
+        first = rr.start(out, *base, "--train.max_steps=400", launch="cpu-ddp", log=log)
+        try:
+            rr.wait_for_step(first, out, 2)
+            holder = json.loads((out / ".lock").read_text())["pid"]  # rank 0 holds the output dir
+            second = rr.run(out, *base, "--train.max_steps=400", launch="cpu-ddp", check=False, timeout=300)
+            ranks = [
+                p
+                for p in psutil.Process(first.pid).children(recursive=True)
+                if "pretrain.py" in " ".join(p.cmdline())
+            ]
+            first.send_signal(signal.SIGKILL)  # the launcher only, as a lost agent or `kill -9 <launcher>`
+            first.wait(timeout=30)
+            gone, alive = psutil.wait_procs(ranks, timeout=60)
+        finally:
+            first.kill()
+            for p in ranks:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+    assert second.returncode != 0, second.output[-3000:]  # the ranks exit 2; the launcher reports failure
+    assert f"is in use by another live run (pid {holder}" in second.output
+    assert "two runs would write the same checkpoints" in second.output and "pretrain:" not in second.output
+    assert holder in [p.pid for p in ranks] and len(ranks) == 2 and not alive, alive
+    log = (tmp_path / "first.log").read_text()
+    # Whichever rank sees it first stops both: the stop is agreed on at the next step.
+    assert "the launcher (pid" in log and "stopping as on SIGTERM" in log
+    stopped_at = rr.read_metrics(out)[-1]["step"]
+    assert stopped_at < 400 and not (out / "final").exists()
+    assert Checkpointer(out).latest().name == f"step-{stopped_at:08d}"  # saved on the way out
+    # (That a dead run leaves no lock behind is shown by every kill -9 then resume test.)

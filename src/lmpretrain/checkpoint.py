@@ -1,23 +1,43 @@
-"""Atomic, per-rank, valid-only checkpoints; resume discovery; retention.
+"""Atomic, valid-only checkpoints of a model, its optimizer and the run's stateful objects; resume
+discovery; retention.
 
-A checkpoint is ``<output_dir>/checkpoints/step-NNNNNNNN/`` holding:
+The recipe hands the checkpointer its model, optimizer and a dict of objects that have
+``state_dict()``/``load_state_dict()`` (torchtitan's ``states={...}``), and gets them back restored::
 
-* ``model.safetensors``  full (unsharded) weights; tied aliases are stored once and re-created on load
-* ``optimizer.pt``       full optimizer state keyed by parameter names (survives DDP/FSDP wrapping)
-* ``deepspeed/``         instead of ``optimizer.pt`` under DeepSpeed: the engine's own checkpoint (its
-                         ZeRO optimizer partitions, one file per rank, fp32 master weights, loss scaler)
-* ``rank-00000.pt`` ...  per rank: RNG states (python, numpy, torch, CUDA) and the data-pipeline state
-* ``trainer_state.json`` counters, scheduler, scaler, world size, resolved config, fingerprint
+    states = {"train": train_state, "scheduler": scheduler, "data": PerRank(train_data, merge), ...}
+    checkpointer.save(step, model=model, optimizer=optimizer, states=states, meta={...})
+    checkpointer.load(path, model=model, optimizer=optimizer, states=states)
+
+A state is the same on every rank and saved once (rank 0's); wrapped in ``PerRank`` every rank saves
+its own (RNG, data position), and on load a ``merge`` function combines all ranks' saved states so a
+run resumes onto any number of processes. States hold plain data (dicts, lists, ints, floats, bools,
+strs, None, tensors), checked before anything is written. A checkpoint is
+``<output_dir>/checkpoints/step-NNNNNNNN/`` holding:
+
+* ``meta.json``          step, world size, format, and the caller's metadata (config, fingerprint, the
+                         eval loss of an eval run at this step): read without loading any tensor
+* ``states.pt``          the shared states; ``rank-00000.pt`` ... the ``PerRank`` states of each rank
+* the model and optimizer in format ``full`` (``model.safetensors``, ``optimizer.pt``; default without
+  FSDP2), ``sharded`` (``dcp/``, each rank writes its shards; default under FSDP2) or DeepSpeed's
+  (``model.safetensors`` + ``deepspeed/``): see checkpoint_formats.py
 * ``COMPLETE``           JSON manifest ``{file: size_in_bytes}`` of every other file, written last
 
-Write protocol (every rank calls ``save``): main creates ``checkpoints/.tmp-step-N-<nonce>/``; every
-rank writes and fsyncs its files there; all ranks agree nothing failed; main writes ``COMPLETE``,
-fsyncs it and the directory, renames the directory to ``step-N`` and fsyncs ``checkpoints/``. The
-rename is the commit: a directory named ``step-N`` appears complete, with its marker, or not at all.
-The marker and its sizes are a second defence for copies made by other tools and truncated files.
-A crash at any point leaves the older checkpoints untouched; leftover ``.tmp-*`` directories are
-removed by the next save. Every ``torch.load`` here uses ``weights_only=True`` (DeepSpeed's loader,
-which reads only the ``deepspeed/`` directory it wrote, unpickles its own objects).
+Write protocol (every rank calls ``save``): refuse non-finite weights; main creates
+``checkpoints/.tmp-step-N-<nonce>/``; every rank writes and fsyncs its files there; all ranks agree
+nothing failed; main writes ``COMPLETE``, fsyncs it and the directory, renames the directory to
+``step-N`` and fsyncs ``checkpoints/``. The rename is the commit: a directory named ``step-N`` appears
+complete, with its marker, or not at all. The marker and its sizes are a second defence for copies made
+by other tools and truncated files. A crash at any point leaves the older checkpoints untouched;
+leftover ``.tmp-*`` directories are removed by the next save.
+
+With ``async_save`` the weights and optimizer state are copied to CPU memory (a snapshot) and written
+by a background thread while training continues; the commit (all ranks agree, marker, rename) happens
+once every rank's write is complete: at the first ``poll()`` after that, or ``wait()``. Until then the
+step exists only as a ``.tmp-*`` directory, so a kill during the write leaves the previous checkpoint
+the newest valid one.
+
+Every ``torch.load`` here uses ``weights_only=True``. DCP's reader (format ``sharded``) and DeepSpeed's
+unpickle their own metadata: resume only checkpoints you trust.
 """
 
 import json
@@ -26,34 +46,39 @@ import math
 import os
 import re
 import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors.torch
 import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.tensor import DTensor
 
+from lmpretrain.checkpoint_formats import (
+    DeepSpeedFiles,
+    Files,
+    FullFiles,
+    ShardedFiles,
+    attempt,
+    fsync_path,
+    fsync_tree,
+    manifest_problem,
+    torch_save_synced,
+)
 from lmpretrain.distributed import any_rank, broadcast_int
-from lmpretrain.errors import CheckpointError
-from lmpretrain.rng import capture_rng_state, restore_rng_state
+from lmpretrain.errors import CheckpointError, ConfigError
+from lmpretrain.preemption import launcher_grace_s
 
 logger = logging.getLogger(__name__)
 
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-DEEPSPEED_DIR = "deepspeed"
-TRAINER_STATE_FILE = "trainer_state.json"
+META_FILE = "meta.json"
+STATES_FILE = "states.pt"
 MARKER_FILE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 RANK_FILE = re.compile(r"^rank-(\d{5})\.pt$")
-_ALIASES_KEY = "lmpretrain.tied_aliases"
 
 
 def rank_file(rank: int) -> str:
@@ -64,23 +89,20 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+@dataclass
+class PerRank:
+    """A state that differs by rank: every rank saves its own.
+
+    On load, ``merge`` (given every saved rank's state, in rank order) returns the state this rank
+    loads, so a different number of processes can resume (e.g. the data streams of all ranks). Without
+    ``merge`` each rank loads its own; ranks beyond the saved ones keep theirs (with a warning).
+    """
+
+    obj: object
+    merge: Callable[[list], object] | None = None
+
+
 # ---- small helpers ---------------------------------------------------------------------------------
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's or a directory's entries to disk (a directory fsync makes renames durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _torch_save_synced(obj, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _write_text_synced(text: str, path: Path) -> None:
@@ -88,13 +110,6 @@ def _write_text_synced(text: str, path: Path) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_tree(path: Path) -> None:
-    """fsync every file under ``path`` and the directories themselves (for files another library wrote)."""
-    for p in sorted(path.rglob("*")):
-        _fsync(p)
-    _fsync(path)
 
 
 def _remove_dir(path: Path) -> None:
@@ -123,72 +138,17 @@ def _check_plain(obj, where: str) -> None:
         )
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def merge_data_states(states: list[dict]) -> dict:
-    """Merge the ranks' data states: ``streams`` by stream id; any other key must agree across ranks."""
-    merged: dict = {}
-    for rank, st in enumerate(states):
-        for key, value in st.items():
-            if key == "streams":
-                streams = merged.setdefault("streams", {})
-                for sid, s in value.items():
-                    if sid in streams and not _same(streams[sid], s):
-                        raise CheckpointError(
-                            f"data stream {sid!r} has different states in two rank files "
-                            f"(second one: {rank_file(rank)}); the checkpoint is inconsistent"
-                        )
-                    streams[sid] = s
-            elif key in merged and not _same(merged[key], value):
-                raise CheckpointError(
-                    f"data state key {key!r} differs between rank files ({rank_file(rank)}); "
-                    f"only 'streams' is merged across ranks"
-                )
-            else:
-                merged[key] = value
-    return merged
-
-
-def _split_tied(state_dict: dict) -> tuple[dict, dict]:
-    """Drop aliases of tensors already present (tied weights): safetensors refuses shared storage."""
-    unique, aliases, seen = {}, {}, {}
-    for name, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            raise CheckpointError(
-                f"model state entry {name!r} is a {type(t).__name__}, not a tensor; "
-                f"model.safetensors can only hold tensors"
-            )
-        key = None
-        if t.numel():
-            key = (
-                t.untyped_storage().data_ptr(),
-                t.storage_offset(),
-                tuple(t.shape),
-                tuple(t.stride()),
-                t.dtype,
-            )
-        if key is not None and key in seen:
-            aliases[name] = seen[key]
-            continue
-        if key is not None:
-            seen[key] = name
-        # safetensors needs contiguous tensors; this copies only the (rare) non-contiguous ones.
-        unique[name] = t if t.is_contiguous() else t.contiguous()
-    return unique, aliases
+def _nonfinite_parameter(model) -> str | None:
+    """The name of a parameter of this rank's share holding inf/NaN, or None."""
+    for name, p in model.named_parameters():
+        local = _local(p.detach())
+        if local.is_floating_point() and not torch.isfinite(local).all():
+            return name
+    return None
 
 
 # ---- validation --------------------------------------------------------------------------------------
@@ -213,11 +173,9 @@ def checkpoint_problem(path: Path) -> str | None:
         isinstance(k, str) and isinstance(v, int) for k, v in manifest.items()
     ):
         return f"{MARKER_FILE} is not a {{file: size}} manifest"
-    for required in (MODEL_FILE, TRAINER_STATE_FILE, rank_file(0)):
+    for required in (META_FILE, STATES_FILE, rank_file(0)):
         if required not in manifest:
             return f"manifest lacks {required}"
-    if OPTIMIZER_FILE not in manifest and not any(name.startswith(f"{DEEPSPEED_DIR}/") for name in manifest):
-        return f"manifest lacks {OPTIMIZER_FILE} (or a {DEEPSPEED_DIR}/ optimizer)"
     ranks = sorted(int(m.group(1)) for m in map(RANK_FILE.match, manifest) if m)
     if ranks != list(range(len(ranks))):
         return f"manifest has rank files {ranks}, not 0..{len(ranks) - 1}"
@@ -229,21 +187,18 @@ def checkpoint_problem(path: Path) -> str | None:
         if actual != size:
             return f"{name} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
     try:
-        trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        return f"unreadable {TRAINER_STATE_FILE} ({err})"
-    if trainer_state.get("step") != int(match.group(1)):
-        return (
-            f"{TRAINER_STATE_FILE} says step {trainer_state.get('step')}, the directory name {match.group(1)}"
-        )
-    world_size = trainer_state.get("world_size")
-    if world_size is not None and world_size != len(ranks):
-        return f"{len(ranks)} rank files for world size {world_size}"
-    return None
+        return f"unreadable {META_FILE} ({err})"
+    if not isinstance(meta, dict) or meta.get("step") != int(match.group(1)):
+        return f"{META_FILE} does not say step {int(match.group(1))} (the directory name)"
+    if meta.get("world_size") != len(ranks):
+        return f"{len(ranks)} rank files for world size {meta.get('world_size')}"
+    return manifest_problem(meta.get("format"), manifest)
 
 
-def _read_trainer_state(path: Path) -> dict:
-    return json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+def _read_meta(path: Path) -> dict:
+    return json.loads((path / META_FILE).read_text(encoding="utf-8"))
 
 
 def check_output_dir_writable(output_dir) -> None:
@@ -265,13 +220,54 @@ def check_output_dir_writable(output_dir) -> None:
         ) from err
 
 
+def resolve_format(requested: str, state) -> str:
+    """``checkpoint.format`` (auto | full | sharded, validated with the config): ``auto`` is sharded under
+    FSDP2 and full otherwise; DeepSpeed writes full."""
+    fsdp2 = getattr(state, "is_fsdp2", False)
+    deepspeed = state.distributed_type == DistributedType.DEEPSPEED
+    if requested == "auto":
+        return "sharded" if fsdp2 else "full"
+    if deepspeed and requested == "sharded":
+        raise ConfigError(
+            [
+                "checkpoint.format=sharded is not supported under DeepSpeed (its engine writes its own "
+                "partitioned optimizer files): use checkpoint.format=auto or full"
+            ]
+        )
+    return requested
+
+
 # ---- the checkpointer ------------------------------------------------------------------------------------
 
 
-class Checkpointer:
-    """Saves, finds, loads and prunes the checkpoints of one output dir (all ranks call save/load)."""
+@dataclass
+class _Pending:
+    """A save whose background write has not been committed yet."""
 
-    def __init__(self, output_dir, accelerator=None, keep_last: int = 2):
+    step: int
+    tmp: Path
+    final: Path
+    nonce: int
+    write: Future
+    started: float
+    stall_s: float
+
+
+class Checkpointer:
+    """Saves, finds, loads and prunes the checkpoints of one output dir (all ranks call save/load/poll).
+
+    ``announce`` (e.g. the recipe's ``print``) is told about each committed checkpoint.
+    """
+
+    def __init__(
+        self,
+        output_dir,
+        accelerator=None,
+        keep_last: int = 2,
+        format: str = "auto",
+        async_save: bool = False,
+        announce: Callable[[str], None] | None = None,
+    ):
         if keep_last < 1:
             raise ValueError(
                 f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept"
@@ -282,6 +278,32 @@ class Checkpointer:
         self.keep_last = keep_last
         # DeepSpeed's engine owns its partitioned optimizer state and writes it in its own layout.
         self.deepspeed = self.state.distributed_type == DistributedType.DEEPSPEED
+        self.format = resolve_format(format, self.state)
+        if async_save and self.deepspeed:
+            raise ConfigError(
+                [
+                    "checkpoint.async_save=true is not supported under DeepSpeed (its engine writes "
+                    "synchronously): set it to false"
+                ]
+            )
+        self.async_save = async_save
+        self.announce = announce or (lambda line: None)
+        self._pending: _Pending | None = None
+        self._grace_warned = False
+        self.files = self._files(self.format, async_save)  # writes the model and optimizer
+
+    def _files(self, fmt: str, async_save: bool = False) -> Files:
+        if self.deepspeed:
+            return DeepSpeedFiles(self.state)
+        return (ShardedFiles if fmt == "sharded" else FullFiles)(self.state, async_save)
+
+    def describe(self) -> str:
+        """One line on how checkpoints are written, for the start-up log."""
+        mode = "async (background write, committed once complete)" if self.async_save else "sync"
+        return (
+            f"checkpoints: format={self.format}: {self.files.description}; {mode}; "
+            f"keep_last={self.keep_last} + best eval"
+        )
 
     # -- discovery --
 
@@ -344,19 +366,41 @@ class Checkpointer:
             if p.name.startswith((".tmp-", ".trash-")):
                 shutil.rmtree(p, ignore_errors=True)
 
-    def save(self, step: int, *, model, optimizer, data_state: dict, trainer_state: dict) -> Path:
-        """Write checkpoint ``step`` atomically, then prune old ones. Every rank must call it."""
-        rng = capture_rng_state()  # first: nothing below may consume randomness, but be sure
+    @staticmethod
+    def _collect(states: dict) -> tuple[dict, dict]:
+        """(shared, per-rank) state dicts of the objects, checked to be plain data."""
+        shared, per_rank = {}, {}
+        for name, obj in states.items():
+            target = per_rank if isinstance(obj, PerRank) else shared
+            value = (obj.obj if isinstance(obj, PerRank) else obj).state_dict()
+            _check_plain(value, f"state {name!r}")
+            target[name] = value
+        return shared, per_rank
+
+    def save(self, step: int, *, model, optimizer, states: dict, meta: dict | None = None) -> Path:
+        """Write checkpoint ``step`` of ``model``, ``optimizer`` and ``states`` ({name: object with
+        state_dict()}); ``meta`` is JSON metadata (its ``eval_loss`` picks the best checkpoint). Every rank
+        must call it. Sync: committed and pruned on return; async: committed by a later poll()/wait()."""
+        self.wait()  # one save at a time: the previous one commits first
+        started = time.perf_counter()
         st = self.state
         final = self.dir / step_dir_name(step)
         # Errors are collected, agreed on by all ranks, then raised everywhere: a rank that raised
         # alone would leave the others waiting forever in the next collective.
         error: BaseException | None = None
         try:
-            if trainer_state.get("step", step) != step:
-                raise ValueError(f"trainer_state['step'] is {trainer_state['step']} but saving step {step}")
-            _check_plain(data_state, "data_state")
-            trainer_json = json.dumps({**trainer_state, "step": step}, indent=2, sort_keys=True)
+            shared, per_rank = self._collect(states)  # first: the RNG state is captured before anything runs
+            meta_json = json.dumps(
+                {**(meta or {}), "step": step, "world_size": st.num_processes, "format": self.format},
+                indent=2,
+                sort_keys=True,
+            )
+            bad = _nonfinite_parameter(model)
+            if bad is not None:
+                raise ValueError(
+                    f"parameter {bad!r} holds inf/NaN at step {step}: a checkpoint of these weights would "
+                    "resume into the same failure"
+                )
         except (TypeError, ValueError) as err:
             error = err
 
@@ -371,61 +415,76 @@ class Checkpointer:
         nonce = broadcast_int(nonce, st)
         tmp = self.dir / f".tmp-{final.name}-{nonce:012x}"
         if st.is_main_process:
-            error = self._try(error, tmp.mkdir)
+            error = attempt(error, tmp.mkdir)
         if any_rank(error is not None, st):  # also the barrier: tmp exists before anyone writes
             raise self._failed(error, tmp, f"start {final.name}")
 
         # Collective calls happen on every rank whatever happened before, so a write error on one
         # rank cannot leave the others waiting inside a gather.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        # full on main, empty elsewhere (sharded); a DeepSpeed engine's module holds whole weights (ZeRO 1/2)
-        weights = get_model_state_dict(model.module if self.deepspeed else model, options=options)
+        error, write = self.files.write(model, optimizer, tmp, error)
         if st.is_main_process:
-            error = self._try(error, self._write_model, weights, tmp / MODEL_FILE)
-        del weights
-        if self.deepspeed:
-            # A collective (every rank writes its own partition): called on every rank whatever failed before.
-            try:
-                model.save_checkpoint(str(tmp), tag=DEEPSPEED_DIR, save_latest=False)
-            except Exception as err:  # noqa: BLE001 - re-raised by _failed after the ranks agree
-                error = error or err
-            if st.is_main_process:
-                error = self._try(error, _fsync_tree, tmp)
-        else:
-            optim_state = self._optimizer_state(model, optimizer, options)
-            if st.is_main_process:
-                error = self._try(error, _torch_save_synced, optim_state, tmp / OPTIMIZER_FILE)
-            del optim_state
-        if st.is_main_process:
-            error = self._try(error, _write_text_synced, trainer_json, tmp / TRAINER_STATE_FILE)
-        rank_state = {
-            "rank": st.process_index,
-            "world_size": st.num_processes,
-            "rng": rng,
-            "data": data_state,
-        }
-        error = self._try(error, _torch_save_synced, rank_state, tmp / rank_file(st.process_index))
+            error = attempt(error, torch_save_synced, shared, tmp / STATES_FILE)
+            error = attempt(error, _write_text_synced, meta_json, tmp / META_FILE)
+        rank_state = {"rank": st.process_index, "world_size": st.num_processes, "states": per_rank}
+        error = attempt(error, torch_save_synced, rank_state, tmp / rank_file(st.process_index))
         if any_rank(error is not None, st):
+            _settle(write)  # a background write into tmp must end before tmp is removed
             raise self._failed(error, tmp, f"write {final.name}")
-
-        if st.is_main_process:
-            error = self._try(None, self._commit, tmp, final, nonce)
-        if any_rank(error is not None, st):
-            raise self._failed(error, tmp, f"commit {final.name}")
-        if st.is_main_process:
-            self.prune()
+        self._pending = _Pending(step, tmp, final, nonce, write, started, time.perf_counter() - started)
+        if not self.async_save:
+            self.wait()
         return final
 
-    @staticmethod
-    def _try(previous: BaseException | None, fn, *args) -> BaseException | None:
-        """Run fn unless an earlier step failed; return the first error (raised later, on every rank)."""
-        if previous is not None:
-            return previous
+    def poll(self) -> Path | None:
+        """Commit a background save once every rank has finished writing it; returns its path then.
+        Every rank must call it (a collective while a save is pending, nothing otherwise)."""
+        if self._pending is None:
+            return None
+        if any_rank(not self._pending.write.done(), self.state):
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Block until the pending save is written, then commit it; returns its path (None if none)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        st = self.state
         try:
-            fn(*args)
+            pending.write.result()
+            error = None
         except Exception as err:  # noqa: BLE001 - re-raised by _failed after the ranks agree
-            return err
-        return None
+            error = err
+        if any_rank(error is not None, st):
+            raise self._failed(error, pending.tmp, f"write {pending.final.name}")
+        if st.is_main_process:
+            error = attempt(None, self._commit, pending.tmp, pending.final, pending.nonce)
+        if any_rank(error is not None, st):
+            raise self._failed(error, pending.tmp, f"commit {pending.final.name}")
+        if st.is_main_process:
+            self.prune()
+        self._report(pending, time.perf_counter() - pending.started)
+        return pending.final
+
+    def _report(self, pending: _Pending, total_s: float) -> None:
+        if self.async_save:
+            how = f"written in the background in {total_s:.2f} s, training stalled {pending.stall_s:.2f} s"
+        else:
+            how = f"in {total_s:.2f} s"
+        self.announce(f"[lmpretrain] saved checkpoint {pending.final} ({how})")
+        grace = launcher_grace_s()
+        if "TORCHELASTIC_RUN_ID" in os.environ and total_s > grace / 2 and not self._grace_warned:
+            self._grace_warned = True
+            self.announce(
+                f"[lmpretrain] WARNING: a checkpoint takes {total_s:.0f} s, but on a stop signal the launcher "
+                f"kills ranks {grace} s after SIGTERM: set TORCH_ELASTIC_SHUTDOWN_TIMEOUT={math.ceil(4 * total_s)} "
+                "in the launch environment so the save on SIGTERM can finish"
+            )
+
+    def close(self) -> None:
+        """Release the writer's threads and process group (a pending save that was not committed stays a
+        .tmp-* directory, removed by the next save)."""
+        self.files.close()
 
     def _failed(self, error: BaseException | None, tmp: Path, what: str) -> CheckpointError:
         if self.state.is_main_process:
@@ -442,39 +501,19 @@ class Checkpointer:
         err.__cause__ = error
         return err
 
-    @staticmethod
-    def _write_model(weights: dict, path: Path) -> None:
-        tensors, aliases = _split_tied(weights)
-        safetensors.torch.save_file(
-            tensors, path, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)}
-        )
-        _fsync(path)
-
-    @staticmethod
-    def _optimizer_state(model, optimizer, options) -> dict:
-        if not optimizer.state:
-            # get_optimizer_state_dict would initialise an unstepped optimizer with a fake step
-            # (moments 0, step 1), changing the live run; save the hyperparameters only.
-            return {
-                "state": {},
-                "param_groups": [
-                    {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-                ],
-            }
-        return get_optimizer_state_dict(model, optimizer, options=options)
-
     def _commit(self, tmp: Path, final: Path, nonce: int) -> None:
+        fsync_tree(tmp)  # DCP and DeepSpeed wrote some of these files
         manifest = {
             p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
         }
         _write_text_synced(json.dumps(manifest, indent=1, sort_keys=True), tmp / MARKER_FILE)
-        _fsync(tmp)
+        fsync_path(tmp)
         trash = None
         if final.exists():  # the same step saved again (e.g. a fresh run with overwrite): swap it out
             trash = self.dir / f".trash-{final.name}-{nonce:012x}"
             os.rename(final, trash)
         os.rename(tmp, final)
-        _fsync(self.dir)
+        fsync_path(self.dir)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
 
@@ -486,7 +525,7 @@ class Checkpointer:
         keep = set(valid[: self.keep_last])
         scored = []
         for path in valid:
-            loss = _read_trainer_state(path).get("eval_loss")
+            loss = _read_meta(path).get("eval_loss")
             if isinstance(loss, (int, float)) and math.isfinite(loss):
                 scored.append((loss, path))
         if scored:
@@ -503,95 +542,59 @@ class Checkpointer:
 
     # -- loading --
 
-    def trainer_state(self, path) -> dict:
-        """The counters, config and fingerprint a checkpoint was saved with (cheap: no tensors read)."""
+    def metadata(self, path) -> dict:
+        """What a checkpoint was saved with (step, world size, format, config, fingerprint): no tensors read."""
         path = Path(path)
         problem = checkpoint_problem(path)
         if problem is not None:
             raise CheckpointError(f"cannot load {path}: {problem}")
-        return _read_trainer_state(path)
+        return _read_meta(path)
 
-    def load(self, path, *, model, optimizer) -> tuple[dict, dict]:
-        """Restore weights, optimizer and this rank's RNG from ``path``. Returns (data state merged
-        over all ranks' files, trainer_state). Every rank must call it."""
+    def load(self, path, *, model, optimizer, states: dict) -> dict:
+        """Restore ``model``, ``optimizer`` and every object of ``states`` from ``path``; returns its
+        metadata. Every rank must call it."""
         path = Path(path)
-        trainer_state = self.trainer_state(path)
-        st = self.state
+        meta = self.metadata(path)
         manifest = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
         names = sorted(n for n in manifest if RANK_FILE.match(n))
-        if self.deepspeed:
-            self._load_deepspeed(path, manifest, model, ranks=len(names))
-        else:
-            self._load_full(path, manifest, model, optimizer)
+        # The checkpoint's own format decides how to read it (a sharded one loads into any launch).
+        files = self.files if meta["format"] == self.format else self._files(meta["format"])
+        files.load(path, manifest, model, optimizer)
+        shared = torch.load(path / STATES_FILE, map_location="cpu", weights_only=True)
+        saved_ranks = [torch.load(path / n, map_location="cpu", weights_only=True)["states"] for n in names]
+        for name, obj in states.items():
+            if isinstance(obj, PerRank):
+                self._load_per_rank(path, name, obj, [r.get(name) for r in saved_ranks])
+            elif name in shared:
+                obj.load_state_dict(shared[name])
+            else:
+                raise CheckpointError(
+                    f"{path} has no state {name!r} (it has {sorted(shared)}): it was written by a version "
+                    "of the recipe without it; resume it with that version, or start fresh"
+                )
+        return meta
 
-        rank_states = [torch.load(path / n, map_location="cpu", weights_only=True) for n in names]
-        data_state = merge_data_states([r["data"] for r in rank_states])
-        if st.process_index < len(rank_states):
-            restore_rng_state(rank_states[st.process_index]["rng"])  # last: loading must not move RNGs
+    def _load_per_rank(self, path: Path, name: str, entry: PerRank, saved: list) -> None:
+        if any(s is None for s in saved):
+            raise CheckpointError(f"{path} lacks the per-rank state {name!r} in some rank files")
+        rank = self.state.process_index
+        if entry.merge is not None:
+            entry.obj.load_state_dict(entry.merge(saved))
+        elif rank < len(saved):
+            entry.obj.load_state_dict(saved[rank])
         else:
             logger.warning(
-                "checkpoint %s has RNG states for %d ranks; rank %d keeps its seeded RNG",
+                "checkpoint %s has %r states for %d ranks; rank %d keeps its own",
                 path,
-                len(rank_states),
-                st.process_index,
+                name,
+                len(saved),
+                rank,
             )
-        return data_state, trainer_state
 
-    def _load_deepspeed(self, path: Path, manifest: dict, model, ranks: int) -> None:
-        if OPTIMIZER_FILE in manifest:
-            raise CheckpointError(
-                f"{path} was written without DeepSpeed (full {OPTIMIZER_FILE}); DeepSpeed cannot "
-                f"load it: resume it with the launch config that wrote it"
-            )
-        if ranks != self.state.num_processes:
-            raise CheckpointError(
-                f"{path} holds DeepSpeed ZeRO optimizer partitions for {ranks} ranks but "
-                f"{self.state.num_processes} are running: resume with {ranks} processes"
-            )
-        # The engine restores weights, fp32 master copies, moments and its loss scaler from its own files.
-        loaded, _ = model.load_checkpoint(
-            str(path), tag=DEEPSPEED_DIR, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
-        if loaded is None:
-            raise CheckpointError(f"DeepSpeed could not load {path / DEEPSPEED_DIR}")
 
-    def _load_full(self, path: Path, manifest: dict, model, optimizer) -> None:
-        if OPTIMIZER_FILE not in manifest:
-            raise CheckpointError(
-                f"{path} was written by a DeepSpeed run (its optimizer state is partitioned in "
-                f"{DEEPSPEED_DIR}/): resume it under DeepSpeed with the same number of processes"
-            )
-        weights = safetensors.torch.load_file(path / MODEL_FILE, device="cpu")
-        with safetensors.safe_open(path / MODEL_FILE, framework="pt") as f:
-            aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
-        for alias, name in aliases.items():
-            weights[alias] = weights[name]
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
-        del weights
-
-        optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        groups = optim_state["param_groups"]
-        if len(groups) != len(optimizer.param_groups):
-            raise CheckpointError(
-                f"{path / OPTIMIZER_FILE} has {len(groups)} parameter groups, "
-                f"the optimizer has {len(optimizer.param_groups)}"
-            )
-        if optim_state["state"]:
-            # torch's full-state loader fails with a bare KeyError on group keys the live optimizer
-            # lacks (e.g. 'initial_lr' when the scheduler is built after loading); the load
-            # overwrites every group value anyway, so add the missing ones first.
-            for live, saved in zip(optimizer.param_groups, groups, strict=True):
-                for key, value in saved.items():
-                    live.setdefault(key, value)
-            set_optimizer_state_dict(
-                model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True)
-            )
-            for live, saved in zip(optimizer.param_groups, groups, strict=True):  # it turns tuples into lists
-                for key, value in saved.items():
-                    if isinstance(value, tuple) and isinstance(live.get(key), list):
-                        live[key] = tuple(live[key])
-        else:
-            optimizer.state.clear()
-            for live, saved in zip(optimizer.param_groups, groups, strict=True):
-                live.update(saved)
-        del optim_state
+def _settle(future: Future) -> None:
+    """Wait for a future whose outcome no longer matters (its error was superseded by another)."""
+    try:
+        future.result()
+    except Exception:  # noqa: BLE001 - the first error is the one reported
+        pass

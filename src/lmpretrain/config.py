@@ -177,7 +177,8 @@ class CheckpointConfig:
     """full: one file of whole weights and optimizer state | sharded: torch.distributed.checkpoint, each
     rank writes its shards (resumes onto any process count) | auto: sharded under FSDP2, else full."""
     async_save: bool = False
-    """Write checkpoints in the background while training continues (committed once complete)."""
+    """Write checkpoints in the background while training continues; a checkpoint is committed only once
+    every rank's write is complete (costs a CPU copy of what is written; not under DeepSpeed)."""
 
 
 @dataclass

@@ -36,6 +36,6 @@ def replica_digests(model, accelerator) -> list[str]:
     from accelerate.utils import gather_object
 
     digest = hashlib.sha256()
-    for param in accelerator.unwrap_model(model).parameters():
+    for param in model.parameters():  # a DDP wrapper or DeepSpeed engine yields its module's
         digest.update(param.detach().float().cpu().numpy().tobytes())
     return gather_object([digest.hexdigest()[:16]])

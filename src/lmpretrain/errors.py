@@ -25,6 +25,10 @@ class LaunchError(UserError):
     """The processes that started are not the ones that were asked for."""
 
 
+class OutputDirInUseError(UserError):
+    """Another live run holds the output dir (two runs would write the same checkpoints)."""
+
+
 class DataError(UserError):
     """Bad data configuration or input; the message names the file/field and the fix."""
 

@@ -42,17 +42,28 @@ def evaluate(model, blocks: torch.Tensor, *, accelerator, precision, batch_size:
 
 
 @torch.no_grad()
-def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, device) -> str:
-    """Greedy continuation (no RNG consumed, so sampling never changes the training trajectory)."""
-    was_training = model.training
-    model.eval()
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
-    out = model.generate(
+def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, accelerator) -> str | None:
+    """Greedy continuation of ``prompt`` (no RNG consumed, so sampling never changes the training
+    trajectory): the text on the main process, None elsewhere. Every rank must call it: a sharded
+    model's forward gathers parameters from all ranks, so all of them generate, in lockstep."""
+    from lmpretrain.runtime import is_sharded
+
+    sharded = is_sharded(model)
+    if not (sharded or accelerator.is_main_process):
+        return None  # a replica: the main process's own copy is enough
+    inner = accelerator.unwrap_model(model)
+    was_training = inner.training
+    inner.eval()
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(accelerator.device)
+    out = inner.generate(
         ids,
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
         use_cache=True,
+        # Ranks keep forwarding until every rank is done, so an early stop on one cannot strand the
+        # others in a parameter all-gather.
+        synced_gpus=sharded and accelerator.num_processes > 1,
     )
-    model.train(was_training)
-    return tokenizer.decode(out[0], skip_special_tokens=True)
+    inner.train(was_training)
+    return tokenizer.decode(out[0], skip_special_tokens=True) if accelerator.is_main_process else None

@@ -4,6 +4,9 @@ accelerate ignores mixed_precision="fp16" on CPU (no scaler, plain fp32), so the
 autocast and the GradScaler itself and checks at start-up that the requested dtype is really used.
 Under DeepSpeed the engine owns precision instead (16-bit weights, fp32 master copies, its own loss
 scaler): this class then only reports the dtype and checks the engine's weights really use it.
+Under FSDP2 the gradients are DTensor shards and each rank checks only its own; torch's DTensor dispatch
+of the scaler's inf/NaN check all-reduces the found-inf flag (max over the mesh), so one rank's
+overflow skips the step and backs off the scale on every rank (tests/test_fsdp.py checks exactly that).
 """
 
 from __future__ import annotations

@@ -65,3 +65,31 @@ def restore_rng_state(state: dict) -> None:
                 )
             for device, rng in enumerate(cuda[: torch.cuda.device_count()]):
                 torch.cuda.set_rng_state(rng, device)
+
+
+class LoopRNG:
+    """The RNGs of the training loop as a state for the checkpointer.
+
+    ``state_dict()`` captures them at save time. ``load_state_dict()`` only keeps the saved state, and
+    ``start()``, right before the loop, applies it (resumed run) or seeds ``seed`` (fresh run): whatever
+    runs between loading and the loop cannot shift the random numbers training draws.
+    """
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        return capture_rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._loaded = state
+
+    def start(self) -> None:
+        """Continue the loaded state, or seed python, numpy, torch and CUDA with ``seed``."""
+        if self._loaded is not None:
+            restore_rng_state(self._loaded)
+        else:
+            from accelerate.utils import set_seed
+
+            set_seed(self.seed)

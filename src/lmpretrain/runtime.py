@@ -2,24 +2,39 @@
 
 Verified traps this module exists for (accelerate 1.15): `accelerate launch` exports OMP_NUM_THREADS=1,
 so a CPU run uses one core; `--cpu --num_processes 2` and a MULTI_CPU config start ONE process; plain
-`--multi_gpu` without GPUs starts unsynchronised copies; an FSDP config on CPU quietly runs DDP; a
-launch config's gradient_accumulation_steps or gradient_clipping silently overrides the recipe's.
+`--multi_gpu` without GPUs starts unsynchronised copies; an FSDP config on CPU quietly runs DDP (the
+recipe turns accelerate's own FSDP2 on there instead, see `build_accelerator`); a launch config's
+gradient_accumulation_steps or gradient_clipping silently overrides the recipe's; and
+`accelerator.unwrap_model` imports DeepSpeed (with its "Setting accelerator to CPU" banner) in every run
+where it is installed (also inside its FSDP2 prepare), so non-DeepSpeed launches tell it DeepSpeed is
+absent (`_leave_deepspeed_unimported`).
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import psutil
 import torch
 import torch.distributed as dist
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs, set_seed
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
+    set_seed,
+)
+from torch.nn.parallel import DistributedDataParallel
 
 from lmpretrain.errors import LaunchError
+from lmpretrain.preemption import watch_launcher
 
 # The DeepSpeed ZeRO stages this recipe runs: parameters stay whole on every rank, so checkpoints and
 # exports read them directly. Stage 3 shards parameters too; use FSDP (configs/accelerate/fsdp.yaml) for that.
@@ -61,6 +76,10 @@ def build_accelerator(train, log_with=None) -> Accelerator:
     """
     accum = train.grad_accum_steps
     if not launch_requested("ACCELERATE_USE_DEEPSPEED"):
+        _leave_deepspeed_unimported()
+    if launch_requested("ACCELERATE_USE_FSDP") and not has_accelerator():
+        return _cpu_fsdp2_accelerator(accum, log_with)
+    if not launch_requested("ACCELERATE_USE_DEEPSPEED"):
         # cpu=True on a machine without GPUs turns a torchrun-style multi-process launch into a real gloo
         # process group; without it each process runs alone (verified with --multi_gpu on CPU).
         return Accelerator(
@@ -89,6 +108,75 @@ def build_accelerator(train, log_with=None) -> Accelerator:
         train.micro_batch_size
     )
     return accelerator
+
+
+def _cpu_fsdp2_accelerator(accum: int, log_with) -> Accelerator:
+    """FSDP2 on CPU processes over gloo, sharded by accelerate's own FSDP2 code (as on GPUs).
+
+    accelerate 1.15 assigns DistributedType.FSDP only to GPU-like process groups, so on CPU it would run
+    plain DDP (MULTI_CPU). torch's fully_shard works over gloo, and accelerate's FSDP2 path (prepare,
+    accumulate without gradient sync, DTensor-aware clipping) has nothing GPU-specific in it: the
+    recipe switches the state to FSDP so that path runs, the same code a GPU launch runs.
+    """
+    version = os.environ.get("FSDP_VERSION", "1")  # read as accelerate's plugin reads it
+    if version != "2":  # FSDP1's plugin refuses CPU-only machines (and would not run there)
+        raise LaunchError(
+            f"the launch config asks for FSDP version {version} on CPU; only FSDP2 runs on CPU "
+            "(set fsdp_version: 2, as configs/accelerate/cpu-fsdp.yaml does)"
+        )
+    plugin = FullyShardedDataParallelPlugin()  # from the launch config's FSDP_* variables
+    accelerator = Accelerator(
+        cpu=True,
+        log_with=log_with,
+        mixed_precision="no",
+        gradient_accumulation_steps=accum,
+        fsdp_plugin=plugin,
+    )
+    if accelerator.distributed_type == DistributedType.MULTI_CPU:  # one process stays NO: refused later
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+    return accelerator
+
+
+def _leave_deepspeed_unimported() -> None:
+    """accelerate's model unwrapping (`unwrap_model`, and inside its FSDP2 prepare) imports DeepSpeed
+    whenever it is installed, only to recognise DeepSpeed engines; importing it prints "Setting
+    accelerator to CPU" and costs seconds. A launch without DeepSpeed has no engine to recognise."""
+    import accelerate.utils.other
+
+    accelerate.utils.other.is_deepspeed_available = lambda: False
+
+
+def is_sharded(model) -> bool:
+    """Whether the model's parameters are FSDP2 shards (its forward then needs every rank)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    # fully_shard converts the model in place (it is its own wrapper); torch.compile wraps it.
+    return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
+
+
+def describe_wrapping(model, accelerator) -> str:
+    """What wraps the model after `accelerator.prepare`, and how much of it this rank holds."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    inner = accelerator.unwrap_model(model)
+    params = list(inner.parameters())
+    total = sum(p.numel() for p in params)
+    if isinstance(inner, FSDPModule):
+        units = [name or "root" for name, m in inner.named_modules() if isinstance(m, FSDPModule)]
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+        return (
+            f"FSDP2: {len(units)} fully_shard units ({', '.join(units)}); rank 0 holds {local:,} of "
+            f"{total:,} parameter values (DTensor shards), and the optimizer state of those"
+        )
+    if type(model).__name__ == "DeepSpeedEngine":
+        return (
+            f"DeepSpeed ZeRO-{model.zero_optimization_stage()}: every rank holds all {total:,} parameter "
+            "values; the optimizer state is partitioned across ranks"
+        )
+    wrapper = "DDP" if isinstance(model, DistributedDataParallel) else type(model).__name__
+    return f"{wrapper}: every rank holds all {total:,} parameter values and their optimizer state"
 
 
 def configure_threads(requested: int, local_world_size: int) -> int:
@@ -210,7 +298,9 @@ def describe_runtime(accelerator: Accelerator, threads: int) -> RuntimeInfo:
     sharding = "none"
     if dtype == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin
-        sharding = f"fsdp{getattr(plugin, 'fsdp_version', 1)}:{plugin.sharding_strategy}"
+        sharding = f"fsdp{getattr(plugin, 'fsdp_version', 1)}"
+        if accelerator.device.type == "cpu":
+            sharding += " (accelerate's FSDP2 over gloo, switched on by the recipe on cpu)"
     elif dtype == DistributedType.DEEPSPEED:
         sharding = f"deepspeed-zero{accelerator.state.deepspeed_plugin.zero_stage}"
     elif accelerator.num_processes > 1:
@@ -228,11 +318,31 @@ def describe_runtime(accelerator: Accelerator, threads: int) -> RuntimeInfo:
 
 
 def setup(train, threads: int = 0, seed: int = 0, log_with=None) -> tuple[Accelerator, RuntimeInfo]:
+    """Build and check the Accelerator, set threads and the seed; ranks stop if their launcher dies."""
+    watch_launcher()
     accelerator = build_accelerator(train, log_with)
     check_launch(accelerator, train)
     used = configure_threads(threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     set_seed(seed)  # same seed on every rank: identical init, DDP would broadcast rank 0's anyway
     return accelerator, describe_runtime(accelerator, used)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with ``code``; a rank of a process group skips C++ static teardown.
+
+    torch 2.13's gloo backend never joins its threads (destroy_process_group, shutdown() and abort()
+    all leave them running, as /proc/<pid>/task shows), and C++ static destructors running while they
+    are alive abort the process: "terminate called without an active exception", SIGABRT, and the
+    launcher then SIGTERMs the other ranks. Two-rank gloo runs with one core kept busy aborted 5 times
+    in 27 that way and 0 in 30 ended like this. Python's own exit handlers still run (W&B, logging,
+    thread pools); the recipe has closed everything it opened by then.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    atexit._run_exitfuncs()  # what a normal exit runs before the teardown that aborts
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -6,16 +6,31 @@ from dataclasses import asdict, dataclass, fields
 @dataclass
 class TrainState:
     step: int = 0
-    """Optimizer steps completed (skipped fp16 overflow steps included: they consumed data)."""
+    """Optimizer steps completed (skipped steps included: they consumed data)."""
     tokens_seen: int = 0
     skipped_steps: int = 0
     eval_loss: float | None = None
+    eval_step: int | None = None
+    """The step `eval_loss` was measured at."""
     best_eval_loss: float | None = None
     wandb_run_id: str | None = None
 
-    def to_dict(self) -> dict:
+    def record_eval(self, loss: float) -> None:
+        """Note an eval run at the current step (and the best loss so far)."""
+        self.eval_loss, self.eval_step = loss, self.step
+        if self.best_eval_loss is None or loss < self.best_eval_loss:
+            self.best_eval_loss = loss
+
+    @property
+    def eval_loss_now(self) -> float | None:
+        """The eval loss if an eval ran at this very step, else None (a stale loss must not pick "best")."""
+        return self.eval_loss if self.eval_step == self.step else None
+
+    def state_dict(self) -> dict:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, saved: dict) -> "TrainState":
-        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
+    def load_state_dict(self, saved: dict) -> None:
+        """Set the counters in place (the checkpointer restores the object the loop holds)."""
+        for f in fields(self):
+            if f.name in saved:
+                setattr(self, f.name, saved[f.name])

@@ -1,0 +1,56 @@
+"""The run's product, ``<output_dir>/final/``: a plain ``save_pretrained`` model + tokenizer, written
+atomically (a temporary directory renamed into place), so an interrupted export never leaves a model
+that half loads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from lmpretrain.checkpoint import fsync_path, fsync_tree
+from lmpretrain.distributed import broadcast_int
+
+
+def _tied_aliases(model) -> set[str]:
+    """Names of parameters that are another parameter (tied embeddings): gathered shards arrive as
+    separate copies, and save_pretrained would keep whichever name it meets; keep the first name."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {alias for group in names.values() for alias in group[1:]}
+
+
+def export_pretrained(model, tokenizer, path, accelerator) -> Path:
+    """Write ``model`` and ``tokenizer`` to ``path`` for ``from_pretrained``; every rank must call it
+    (sharded weights are gathered to the main process, which writes)."""
+    path = Path(path)
+    if type(model).__name__ == "DeepSpeedEngine":
+        # ZeRO-1/2 ranks hold whole weights; the module saves its own (keeping tied embeddings tied).
+        weights = None
+    else:
+        weights = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        aliases = _tied_aliases(accelerator.unwrap_model(model))
+        weights = {k: v for k, v in weights.items() if k not in aliases}
+    nonce = broadcast_int(int.from_bytes(os.urandom(6), "little"), accelerator)
+    if accelerator.is_main_process:
+        for leftover in path.parent.glob(f".tmp-{path.name}-*"):  # from an export that was killed
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp = path.with_name(f".tmp-{path.name}-{nonce:012x}")
+        accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(
+            tmp, state_dict=weights, safe_serialization=True
+        )
+        tokenizer.save_pretrained(tmp)
+        fsync_tree(tmp)
+        trash = path.with_name(f".trash-{path.name}-{nonce:012x}")
+        if path.exists():  # a rerun that trained further: swap the old export out
+            os.rename(path, trash)
+        os.rename(tmp, path)
+        fsync_path(path.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return path

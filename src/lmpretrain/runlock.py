@@ -1,0 +1,71 @@
+"""One live run per output dir: a second run started in the same `run.output_dir` is refused.
+
+The main process holds a POSIX record lock (``fcntl.lockf``) on ``<output_dir>/.lock`` for the run's
+life. The kernel drops it when the process ends, however it ends (kill -9 included), so a dead run never
+blocks the next one and there is nothing to clean up; forked dataloader workers do not inherit it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from lmpretrain.distributed import broadcast_int
+from lmpretrain.errors import OutputDirInUseError
+
+LOCK_FILE = ".lock"
+
+
+def _holder(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+@contextmanager
+def run_lock(output_dir, state):
+    """Hold the output dir's lock while the block runs; every rank calls it (rank 0 takes the lock).
+
+    Raises OutputDirInUseError on every rank when another live run holds it.
+    """
+    path = Path(output_dir) / LOCK_FILE
+    fd = None
+    holder_pid = 0
+    if state.is_main_process:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            fd = None
+            holder_pid = int(_holder(path).get("pid") or -1)  # -1: it has not written its record yet
+    holder_pid = broadcast_int(holder_pid, state)  # 0: rank 0 holds the lock
+    if holder_pid != 0:
+        info = _holder(path) if state.is_main_process else {}
+        who = f"pid {holder_pid}" if holder_pid > 0 else "pid unknown"
+        where = f" on {info['host']}" if info.get("host") else ""
+        since = f", started {info['started']}" if info.get("started") else ""
+        raise OutputDirInUseError(
+            f"run.output_dir {str(output_dir)!r} is in use by another live run ({who}{where}{since}): "
+            "two runs would write the same checkpoints. Wait for it to finish or stop it, or pick another "
+            "--run.output_dir."
+        )
+    try:
+        if fd is not None:
+            record = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            }
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the lock

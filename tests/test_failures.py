@@ -3,7 +3,6 @@ accelerate launch's arguments): a diverging run skips its non-finite updates, ne
 non-finite weights and stops with exit 2; every user error ends on its one message, with no traceback.
 """
 
-
 import torch
 from safetensors.torch import load_file
 

@@ -142,6 +142,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         objective = ce + z_loss * z if z_loss else ce.clone()
+        z = z if z_loss else torch.zeros_like(z)  # as `full` reports: no z term, no z sum
         ctx.mark_non_differentiable(ce, z)
         return objective, ce, z
 

@@ -93,7 +93,8 @@ class LMObjective:
         if self.single_row:
             inputs = {k: v.reshape(1, -1) for k, v in inputs.items()}
             targets = targets.reshape(1, -1)  # each row's last target is already ignored
-        return {**inputs, "lm_targets": targets, "lm_objective": self}
+        # No KV cache: transformers reads documents from position_ids only when there is none.
+        return {**inputs, "use_cache": False, "lm_targets": targets, "lm_objective": self}
 
     def __call__(self, model, input_ids: torch.Tensor, labels: torch.Tensor) -> LossSums:
         """Forward + loss sums of one micro-batch through `model` (wrapped or not)."""
@@ -210,7 +211,7 @@ def _check_logits_from_hidden(model, objective, kind, vocab, device) -> str:
     logits = type(model).forward(model, input_ids=ids).logits
     projected = head(base(input_ids=ids).last_hidden_state)
     difference = _relative_difference(projected.double(), logits.double())
-    if difference > 1e-6:
+    if difference > 1e-7:  # the same ops give the same bits; soft-capping at init already differs ~1e-5
         raise ConfigError(
             [
                 f"train.loss_impl={objective.loss_impl}: a {kind} model post-processes its logits after the output "

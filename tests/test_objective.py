@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lmpretrain.config import Config
 from lmpretrain.errors import ConfigError
-from lmpretrain.loss import IGNORE_INDEX, chunked_loss_sums, logits_loss_sums, next_token_targets
+from lmpretrain.loss import IGNORE_INDEX, chunked_loss_sums, logits_loss_sums
 from lmpretrain.model import build_model_config
 from lmpretrain.objective import LMObjective, check_objective, document_positions, install_loss_forward
 from lmpretrain.speed import enable_activation_checkpointing, kernel_problems

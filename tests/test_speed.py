@@ -5,6 +5,7 @@ checkpoints load into each other; kernels that cannot run here are refused befor
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -65,12 +66,15 @@ TOLERANCE = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The plain recipe, each switch alone, and all together: two runs at a time (each uses one thread)."""
     out = tmp_path_factory.mktemp("speed")
-    result = {"off": rr.run(out / "off", *EXACT, *OFF, launch=None)}
-    for name, flag in SWITCHES.items():
-        result[name] = rr.run(out / name, *EXACT, *OFF, flag, launch=None)
-    result["all"] = rr.run(out / "all", *EXACT, *OFF, *ALL_ON, "--eval.sample_tokens=8", launch=None)
-    return result
+    plan = {"off": OFF, **{name: [*OFF, flag] for name, flag in SWITCHES.items()}}
+    plan["all"] = [*OFF, *ALL_ON, "--eval.sample_tokens=8"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            name: pool.submit(rr.run, out / name, *EXACT, *args, launch=None) for name, args in plan.items()
+        }
+    return {name: future.result() for name, future in futures.items()}
 
 
 def assert_trains_alike(run, ref, tolerance):
@@ -210,7 +214,7 @@ def test_fused_and_foreach_adamw_checkpoints_load_into_each_other():
 
 
 def test_a_kernel_that_cannot_run_here_is_refused_before_any_work(tmp_path):
-    run = rr.run(tmp_path / "fa2", "--model.attn_implementation=flash_attention_2", check=False)
+    run = rr.run(tmp_path / "fa2", "--model.attn_implementation=flash_attention_2", check=False, launch=None)
     assert run.returncode == 2
     assert (
         "model.attn_implementation=flash_attention_2 needs a CUDA GPU and `pip install flash-attn`"

@@ -119,16 +119,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.size(0), chunk):
                 h = hidden[start : start + chunk].to(dtype)
                 y = targets[start : start + chunk]
+                # One pass over the chunk's logits, in place: shift by the row max, exponentiate, normalise.
                 logits = F.linear(h, w, b).to(acc)
-                lse = torch.logsumexp(logits, dim=-1)
-                rows = lse - logits.gather(1, y[:, None]).squeeze(1)
+                row_max = logits.amax(dim=-1)
+                logits.sub_(row_max[:, None])
+                rows = -logits.gather(1, y[:, None]).squeeze(1)  # - shifted target logit
                 if label_smoothing:
-                    rows = (1 - label_smoothing) * rows + label_smoothing * (lse - logits.mean(dim=-1))
-                ce += rows.sum()
+                    rows = (1 - label_smoothing) * rows - label_smoothing * logits.mean(dim=-1)
+                total = logits.exp_().sum(dim=-1)
+                shifted_lse = total.log()
+                ce += (rows + shifted_lse).sum()  # logsumexp - target logit (smoothed), the max cancels
+                lse = shifted_lse + row_max
                 z += lse.square().sum()
                 if not want_grad:
                     continue
-                grad = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' memory
+                grad = logits.div_(total[:, None])  # softmax
                 if z_loss:
                     grad.mul_((1 + 2 * z_loss * lse)[:, None])
                 grad[torch.arange(len(y), device=y.device), y] -= 1 - label_smoothing

@@ -13,7 +13,7 @@ from lmpretrain.errors import ConfigError
 from lmpretrain.loss import IGNORE_INDEX, chunked_loss_sums, logits_loss_sums
 from lmpretrain.model import build_model_config
 from lmpretrain.objective import LMObjective, check_objective, document_positions, install_loss_forward
-from lmpretrain.speed import enable_activation_checkpointing, kernel_problems
+from lmpretrain.speed import enable_activation_checkpointing, kernel_problems, prepare_model
 
 EOS = 3
 VOCAB = 64
@@ -257,6 +257,19 @@ def test_activation_checkpointing_keeps_dropout_masks_and_the_rng_stream():
         results.append((grads(model), torch.get_rng_state()))
     (g0, rng0), (g1, rng1) = results
     assert torch.equal(g0, g1) and torch.equal(rng0, rng1)
+
+
+def test_accelerates_own_fsdp_checkpointing_is_refused():
+    """Its wrapper does not preserve the RNG state. (accelerate builds no FSDP plugin on a CPU-only
+    launch, so the plugin is handed over the way `accelerator.state` holds it.)"""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True)
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+    with pytest.raises(ConfigError, match="fsdp_activation_checkpointing: true, whose checkpointing does not"):
+        prepare_model(tiny(), LMObjective(), Config().train, accelerator)
 
 
 def peak_bytes(model, objective, ids) -> int:

@@ -312,11 +312,18 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--shapes", default="config,gpt2", help="config, gpt2 or both")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="threads per run (0: every core); 1 stays meaningful on a busy machine",
+    )
     parser.add_argument("--lean", action="store_true", help=argparse.SUPPRESS)  # one lean run, JSON out
     args, overrides = parser.parse_known_args()
-    if args.lean:
+    if args.lean:  # the overrides already carry the parent's --run.threads
         print(json.dumps(lean(args.config, overrides, args.steps, args.warmup)))
         return
+    overrides = [*overrides, f"--run.threads={args.threads}"]
     with tempfile.TemporaryDirectory() as tmp:
         shapes = {"config": (Path(args.config).name, args.config)}
         shapes["gpt2"] = ("GPT-2 4 layers x 4 heads x 128 wide", gpt2_shape(args.config, Path(tmp)))

@@ -268,7 +268,9 @@ def test_accelerates_own_fsdp_checkpointing_is_refused():
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True)
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
-    with pytest.raises(ConfigError, match="fsdp_activation_checkpointing: true, whose checkpointing does not"):
+    with pytest.raises(
+        ConfigError, match="fsdp_activation_checkpointing: true, whose checkpointing does not"
+    ):
         prepare_model(tiny(), LMObjective(), Config().train, accelerator)
 
 

@@ -82,8 +82,9 @@ def train(cfg, cleanup: ExitStack) -> None:
     optimizer = build_optimizer(model, cfg.optim, accelerator.device)
     say(
         f"[lmpretrain] {counts['params_total']:,} parameters; optimizer groups: "
-        f"{describe_groups(optimizer.param_groups)}; {describe_implementation(optimizer, cfg.optim, accelerator.device)}"
+        f"{describe_groups(optimizer.param_groups)}"
     )
+    say(f"[lmpretrain] {describe_implementation(optimizer, cfg.optim, accelerator.device)}")
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     deepspeed = info.sharding.startswith("deepspeed")
     precision = MixedPrecision(

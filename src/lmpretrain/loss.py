@@ -106,11 +106,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         acc = _accumulation_dtype(dtype)
         vocab = weight.size(0)
         w = weight.to(dtype)
+        # fp16 gradients computed here are not loss-scaled yet (backward scales them): they stay fp32 so
+        # small ones do not underflow. bf16 has fp32's range and keeps the fast matmuls.
+        grad_dtype = acc if dtype == torch.float16 else dtype
+        w_grad = w if grad_dtype == dtype else weight.to(grad_dtype)
         b = bias.to(dtype) if bias is not None else None
         want_grad = any(ctx.needs_input_grad[:3])
         ce = torch.zeros((), dtype=acc, device=hidden.device)
         z = torch.zeros((), dtype=acc, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if want_grad else None
+        grad_hidden = None
+        if want_grad:
+            grad_hidden = torch.empty(
+                hidden.shape, dtype=torch.promote_types(hidden.dtype, grad_dtype), device=hidden.device
+            )
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_grad else None
         grad_bias = (
             torch.zeros(vocab, dtype=acc, device=weight.device) if want_grad and b is not None else None
@@ -139,13 +147,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad[torch.arange(len(y), device=y.device), y] -= 1 - label_smoothing
                 if label_smoothing:
                     grad.sub_(label_smoothing / vocab)
-                grad = grad.to(dtype)
-                grad_hidden[start : start + chunk] = grad @ w
-                grad_weight += (grad.T @ h).to(acc)
+                grad = grad.to(grad_dtype)
+                grad_hidden[start : start + chunk] = grad @ w_grad
+                grad_weight += (grad.T @ hidden[start : start + chunk].to(grad_dtype)).to(acc)
                 if grad_bias is not None:
                     grad_bias += grad.sum(0).to(acc)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         objective = ce + z_loss * z if z_loss else ce.clone()
         z = z if z_loss else torch.zeros_like(z)  # as `full` reports: no z term, no z sum
         ctx.mark_non_differentiable(ce, z)
@@ -154,10 +162,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_objective, _grad_ce, _grad_z):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        weight_dtype, bias_dtype = ctx.dtypes
+        hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
         scale = grad_objective.to(grad_weight.dtype)
         grads = [
-            (grad_hidden * scale.to(grad_hidden.dtype)) if ctx.needs_input_grad[0] else None,
+            (grad_hidden * scale.to(grad_hidden.dtype)).to(hidden_dtype) if ctx.needs_input_grad[0] else None,
             (grad_weight * scale).to(weight_dtype) if ctx.needs_input_grad[1] else None,
             (grad_bias * scale).to(bias_dtype) if ctx.needs_input_grad[2] else None,
         ]

@@ -1,21 +1,22 @@
 #!/usr/bin/env python
 """Tokens/s, peak memory and compile time of the recipe with each speed switch, against a lean reference.
 
-    python scripts/benchmark.py configs/default.yaml [--steps 20] [--warmup 5] [--rounds 2] [--shapes config,gpt2]
-                                [--section.field=value ...]
+    python scripts/benchmark.py configs/default.yaml [--steps 20] [--warmup 5] [--rounds 2] [--threads 0]
+                                [--shapes config,gpt2] [--section.field=value ...]
 
 For two model shapes (the config's own, and a GPT-2 of 4 layers x 4 heads x 128 wide on 64-token blocks,
 12 rows per micro-batch, on the config's data) it prints one table: the recipe with every switch off
 ("eager"), each switch alone, the best combination (the switches that were faster alone, activation
 checkpointing excepted: it buys memory with compute), and a lean reference: a minimal hand-written model
 of the same shape in plain PyTorch (F.scaled_dot_product_attention, fused AdamW, no transformers),
-trained on the same batches, already in memory; then the ratio best recipe / lean reference.
+trained on the same batches, already in memory; then best / eager and best / lean reference.
 
 The recipe runs are real `accelerate launch` runs, timed by the wall clock between metrics rows after
 `--warmup` steps (compilation happens there), so everything the loop does counts; evaluation and
-checkpoints are off (periodic costs, not per-step ones). Every row is measured once per round and the
-rounds run one after the other (paired: the rows of a round share the machine's state); the table gives
-the median and the spread over rounds, and the load average, since a shared machine drifts.
+checkpoints are off (periodic costs, not per-step ones). A run's speed is its 25th-percentile step:
+on a shared machine the slower steps are the ones other processes slowed. Each run is measured once
+per round, odd rounds in reverse order; eager, best and the lean reference run side by side (the
+ratios pair runs next to each other). The table gives medians, the spread and the load average.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ SWITCHES = {
     "fused AdamW": {"optim.fused": True},
     "sdpa attention": {"model.attn_implementation": "sdpa"},
 }
+
+
+def fastest_quarter(step_times: list[float]) -> float:
+    """The 25th percentile step time: on a shared machine the slower steps are the ones others slowed."""
+    return statistics.quantiles(step_times, n=4)[0]
 
 
 # ---- the lean reference: a minimal GPT-2 or Llama in plain PyTorch ---------------------------------
@@ -168,7 +174,7 @@ def lean(config_path: str, overrides: list[str], steps: int, warmup: int) -> dic
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     return {
-        "tokens_per_s": B * K * T / statistics.median(times[warmup:]),
+        "tokens_per_s": B * K * T / fastest_quarter(times[warmup:]),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "threads": threads,
         "params": sum(p.numel() for p in model.parameters()),
@@ -206,8 +212,8 @@ def recipe(config_path: str, overrides: list[str], switches: dict, steps: int, w
         rows = [json.loads(line) for line in open(f"{out}/run/metrics.jsonl") if '"train/loss"' in line]
     timed = rows[warmup - 1 :]
     tokens_per_step = rows[0]["perf/tokens_per_s"] * rows[0]["perf/step_time_s"]
-    step = statistics.median(
-        b["_timestamp"] - a["_timestamp"] for a, b in zip(timed, timed[1:], strict=False)
+    step = fastest_quarter(
+        [b["_timestamp"] - a["_timestamp"] for a, b in zip(timed, timed[1:], strict=False)]
     )
     return {
         "tokens_per_s": tokens_per_step / step,
@@ -229,8 +235,9 @@ def benchmark_shape(label: str, config_path: str, overrides: list[str], args) ->
     print(
         f"\n{label}: {cfg.model.type}, micro-batch {B} x accumulation {K} x {T} tokens = {B * K * T} tokens/step"
     )
-    rows = {"eager (every switch off)": OFF, **{f"+ {k}": {**OFF, **v} for k, v in SWITCHES.items()}}
-    results: dict[str, list[dict]] = {name: [] for name in [*rows, "best", "lean reference"]}
+    eager_row = "eager (every switch off)"
+    singles = {eager_row: OFF, **{f"+ {k}": {**OFF, **v} for k, v in SWITCHES.items()}}
+    results: dict[str, list[dict]] = {name: [] for name in [*singles, "best", "lean reference"]}
     lean_cmd = [
         sys.executable,
         __file__,
@@ -239,7 +246,6 @@ def benchmark_shape(label: str, config_path: str, overrides: list[str], args) ->
         f"--steps={args.steps}",
         f"--warmup={args.warmup}",
     ]
-    best = dict(OFF)
 
     def run_recipe(switches):
         return lambda: recipe(config_path, overrides, switches, args.steps, args.warmup)
@@ -248,23 +254,31 @@ def benchmark_shape(label: str, config_path: str, overrides: list[str], args) ->
         out = subprocess.run([*lean_cmd, *overrides], check=True, capture_output=True, text=True).stdout
         return json.loads(out.splitlines()[-1])
 
-    for round_ in range(args.rounds):
-        print(f" round {round_ + 1}", flush=True)
-        for name, switches in rows.items():
-            results[name].append(measure(name, run_recipe(switches)))
-        if round_ == 0:  # the best combination: every switch that was faster alone than eager
-            eager = results["eager (every switch off)"][0]["tokens_per_s"]
-            for switch, values in SWITCHES.items():
-                if switch != "activation checkpointing" and results[f"+ {switch}"][0]["tokens_per_s"] > eager:
-                    best.update(values)
-        results["best"].append(measure("best", run_recipe(best)))
-        results["lean reference"].append(measure("lean reference", run_lean))
-
     def median(name, key="tokens_per_s"):
         values = [r[key] for r in results[name] if r.get(key) is not None]
         return statistics.median(values) if values else None
 
-    eager = median("eager (every switch off)")
+    def rounds(runs: dict) -> list[dict]:
+        """Every run once per round, odd rounds in reverse order (a load that drifts cancels out)."""
+        measured = []
+        for round_ in range(args.rounds):
+            print(f" round {round_ + 1}: {', '.join(runs)}", flush=True)
+            names = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+            measured.append({name: measure(name, runs[name]) for name in names})
+            for name in names:
+                results[name].append(measured[-1][name])
+        return measured
+
+    rounds({name: run_recipe(switches) for name, switches in singles.items()})
+    # The best combination: every switch faster alone than eager, except activation checkpointing
+    # (it buys memory with compute). Then eager, best and the lean reference side by side.
+    best = dict(OFF)
+    for switch, values in SWITCHES.items():
+        if switch != "activation checkpointing" and median(f"+ {switch}") > median(eager_row):
+            best.update(values)
+    paired = rounds({eager_row: run_recipe(OFF), "best": run_recipe(best), "lean reference": run_lean})
+
+    eager = median(eager_row)
     on = [k for k, v in SWITCHES.items() if all(best[f] == x for f, x in v.items())]
     loads = [r["load"] for v in results.values() for r in v]
     print(
@@ -279,16 +293,14 @@ def benchmark_shape(label: str, config_path: str, overrides: list[str], args) ->
             f"{median(name) / eager:>7.2f}x {median(name, 'peak_rss_bytes') / 2**30:>7.2f}G "
             f"{f'{compile_s:.0f} s' if compile_s else '-':>8}"
         )
-    ratios = [
-        b["tokens_per_s"] / r["tokens_per_s"]
-        for b, r in zip(results["best"], results["lean reference"], strict=True)
-    ]
     lean_info = results["lean reference"][0]
-    print(
-        f"recipe (best) / lean reference = {statistics.median(ratios):.2f}x (per round: "
-        f"{', '.join(f'{r:.2f}x' for r in ratios)}; lean model {lean_info['params']:,} parameters, "
-        f"{lean_info['threads']} threads)"
-    )
+    for label_, over in (("best / eager", eager_row), ("recipe (best) / lean reference", "lean reference")):
+        ratios = [r["best"]["tokens_per_s"] / r[over]["tokens_per_s"] for r in paired]
+        print(
+            f"{label_} = {statistics.median(ratios):.2f}x (side by side, per round: "
+            f"{', '.join(f'{x:.2f}x' for x in ratios)})"
+        )
+    print(f"lean model: {lean_info['params']:,} parameters, {lean_info['threads']} threads")
 
 
 def gpt2_shape(config_path: str, folder: Path) -> str:

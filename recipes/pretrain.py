@@ -34,14 +34,21 @@ from lmpretrain.fingerprint import check_fingerprint
 from lmpretrain.flops import flops_per_token, mfu, peak_flops
 from lmpretrain.guard import UpdateGuard
 from lmpretrain.launch import report_user_error
-from lmpretrain.loss import causal_lm_loss_sum, count_targets, make_labels
+from lmpretrain.loss import count_targets, make_labels
 from lmpretrain.model import build_model, build_model_config, parameter_counts
-from lmpretrain.optim import apply_hyperparameters, build_optimizer, describe_groups
+from lmpretrain.objective import LMObjective
+from lmpretrain.optim import (
+    apply_hyperparameters,
+    build_optimizer,
+    describe_groups,
+    describe_implementation,
+)
 from lmpretrain.precision import MixedPrecision
 from lmpretrain.preemption import PreemptionHandler
 from lmpretrain.rng import LoopRNG
 from lmpretrain.runlock import run_lock
 from lmpretrain.schedule import hyperparameter_changes, learning_rate, set_lr
+from lmpretrain.speed import compile_seconds, prepare_model
 from lmpretrain.state import TrainState
 from lmpretrain.tokenizer import load_tokenizer
 from lmpretrain.tracking import Tracker, git_commit, package_versions, wandb_log_with
@@ -86,11 +93,17 @@ def train(cfg, cleanup: ExitStack) -> None:
     global_batch = cfg.global_batch(W)
     model = build_model(model_config, cfg.model.pretrained, cfg.train.param_dtype)
     counts = parameter_counts(model)
-    optimizer = build_optimizer(model, cfg.optim)
+    # One forward + loss for training and evaluation (document masking, loss kernel, z-loss); then
+    # activation checkpointing and compile, before accelerate wraps the model.
+    objective = LMObjective.from_config(cfg, tokenizer.eos_token_id)
+    for line in prepare_model(model, objective, cfg.train, accelerator):
+        say(f"[lmpretrain] {line}")
+    optimizer = build_optimizer(model, cfg.optim, accelerator.device)
     say(
         f"[lmpretrain] {counts['params_total']:,} parameters; optimizer groups: "
         f"{describe_groups(optimizer.param_groups)}"
     )
+    say(f"[lmpretrain] {describe_implementation(optimizer, cfg.optim, accelerator.device)}")
     precision = MixedPrecision(
         cfg.train.precision, accelerator.device, cfg.train.loss_scale_init, engine=deepspeed
     )
@@ -186,7 +199,12 @@ def train(cfg, cleanup: ExitStack) -> None:
 
     def run_eval():
         metrics = evaluate(
-            model, eval_blocks, accelerator=accelerator, precision=precision, batch_size=cfg.eval.batch_size
+            model,
+            eval_blocks,
+            accelerator=accelerator,
+            precision=precision,
+            batch_size=cfg.eval.batch_size,
+            objective=objective,
         )
         state.record_eval(metrics["eval/loss"])
         if cfg.eval.sample_tokens:  # every rank: a sharded model generates on all of them
@@ -212,6 +230,7 @@ def train(cfg, cleanup: ExitStack) -> None:
     )
     cleanup.callback(progress.close)
     max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
+    first_step = state.step + 1
     if state.step == 0 and cfg.eval.every:  # the baseline every curve starts from
         tracker.log({**run_eval(), "train/tokens_seen": 0}, step=0)
     while state.step < cfg.train.max_steps:
@@ -229,17 +248,16 @@ def train(cfg, cleanup: ExitStack) -> None:
         if n_targets == 0:
             raise ValueError(f"step {state.step}: every label of the global batch is ignored (-100)")
         loss_scale = W * K / n_targets
-        loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        loss_sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # cross-entropy, z
         for x, y in zip(input_ids.split(B), labels.split(B), strict=True):
             # Gradients are all-reduced only in the K-th micro-batch's backward (accelerate counts them).
             with accelerator.accumulate(model):
                 with precision.autocast():
-                    logits = model(input_ids=x).logits  # 2. forward
-                micro_loss = causal_lm_loss_sum(logits, y, cfg.train.label_smoothing)  #    fp32 loss
-                accelerator.backward(precision.scale(micro_loss * loss_scale))  # 3. backward, 4. sync
-            loss_sum += micro_loss.detach()
+                    sums = objective(model, x, y)  # 2. forward + fp32 loss, summed over the targets
+                accelerator.backward(precision.scale(sums.objective * loss_scale))  # 3. backward, 4. sync
+            loss_sums += torch.stack([sums.ce, sums.z]).double()
         assert accelerator.sync_gradients, "the last micro-batch of a step must synchronise gradients"
-        train_loss = accelerator.reduce(loss_sum, reduction="sum").item() / n_targets
+        train_loss, z_loss = (accelerator.reduce(loss_sums, reduction="sum") / n_targets).tolist()
         precision.unscale_(optimizer)  # real-size grads
         grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))  # 5. clip
         # A non-finite loss or gradient (or a loss spike) skips the update: no weight or moment changes
@@ -272,6 +290,10 @@ def train(cfg, cleanup: ExitStack) -> None:
         }
         if flops:
             metrics["perf/mfu"] = mfu(tokens_per_s / W, flops, peak)
+        if cfg.train.z_loss:
+            metrics["train/z_loss"] = cfg.train.z_loss * z_loss  # the term added to the loss
+        if cfg.train.compile and state.step == first_step:  # compiling happens in the first steps
+            metrics["perf/compile_s"] = compile_seconds()
         if precision.scaler:
             metrics["train/loss_scale"] = precision.loss_scale
         warnings.observe(state.step, train_loss, metrics["train/clipped"], skipped)

@@ -1,13 +1,22 @@
 #!/usr/bin/env python
-"""Tokens/s of the full recipe against the bare ceiling, and peak memory.
+"""Tokens/s, peak memory and compile time of the recipe with each speed switch, against a lean reference.
 
-    python scripts/benchmark.py configs/default.yaml [--steps 40] [--warmup 8] [--section.field=value ...]
+    python scripts/benchmark.py configs/default.yaml [--steps 20] [--warmup 5] [--rounds 2] [--threads 0]
+                                [--shapes config,gpt2] [--section.field=value ...]
 
-Ceiling: the same model, optimizer, precision and batch shape — forward + backward + AdamW step on
-tensors that are already in memory, nothing else. Recipe: `accelerate launch` of recipes/pretrain.py
-(with its data pipeline, loss normalisation, all-reduces, clipping, schedule, metrics and W&B), timed
-by the wall clock between its metrics rows, so everything the loop does between steps counts.
-Evaluation and checkpoints are switched off for both; they are periodic costs, not per-step ones.
+For two model shapes (the config's own, and a GPT-2 of 4 layers x 4 heads x 128 wide on 64-token blocks,
+12 rows per micro-batch, on the config's data) it prints one table: the recipe with every switch off
+("eager"), each switch alone, the best combination (the switches that were faster alone, activation
+checkpointing excepted: it buys memory with compute), and a lean reference: a minimal hand-written model
+of the same shape in plain PyTorch (F.scaled_dot_product_attention, fused AdamW, no transformers),
+trained on the same batches, already in memory; then best / eager and best / lean reference.
+
+The recipe runs are real `accelerate launch` runs, timed by the wall clock between metrics rows after
+`--warmup` steps (compilation happens there), so everything the loop does counts; evaluation and
+checkpoints are off (periodic costs, not per-step ones). A run's speed is its 25th-percentile step:
+on a shared machine the slower steps are the ones other processes slowed. Each run is measured once
+per round, odd rounds in reverse order; eager, best and the lean reference run side by side (the
+ratios pair runs next to each other). The table gives medians, the spread and the load average.
 """
 
 from __future__ import annotations
@@ -24,49 +33,159 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
 
 from lmpretrain.config import load_config
-from lmpretrain.loss import causal_lm_loss_sum, count_targets
-from lmpretrain.model import build_model, build_model_config
-from lmpretrain.optim import build_optimizer
-from lmpretrain.precision import MixedPrecision
+from lmpretrain.data import TrainStream
+from lmpretrain.model import build_model_config
 from lmpretrain.runtime import configure_threads
+from lmpretrain.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+# No dropout, like the lean reference (GPT-2's default is 0.1).
+GPT2 = {"n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+GPT2 |= {"attn_pdrop": 0.0}
+OFF = {
+    "train.compile": False,
+    "train.activation_checkpointing": False,
+    "train.loss_impl": "full",
+    "optim.fused": False,
+    "model.attn_implementation": "eager",
+}
+SWITCHES = {
+    "compile": {"train.compile": True},
+    "activation checkpointing": {"train.activation_checkpointing": True},
+    "chunked loss": {"train.loss_impl": "chunked"},
+    "fused AdamW": {"optim.fused": True},
+    "sdpa attention": {"model.attn_implementation": "sdpa"},
+}
 
 
-def ceiling(cfg, steps: int, warmup: int) -> dict:
-    """Median-step tokens/s of forward + backward + AdamW on ready tensors (same shapes as the recipe)."""
+def fastest_quarter(step_times: list[float]) -> float:
+    """The 25th percentile step time: on a shared machine the slower steps are the ones others slowed."""
+    return statistics.quantiles(step_times, n=4)[0]
+
+
+# ---- the lean reference: a minimal GPT-2 or Llama in plain PyTorch ---------------------------------
+
+
+class LeanBlock(nn.Module):
+    def __init__(self, llama: bool, width: int, heads: int, kv_heads: int, ffn: int, eps: float):
+        super().__init__()
+        self.llama, self.heads, self.kv_heads, self.head_dim = llama, heads, kv_heads, width // heads
+        norm = (lambda: nn.RMSNorm(width, eps=eps)) if llama else (lambda: nn.LayerNorm(width, eps=eps))
+        self.norm1, self.norm2 = norm(), norm()
+        self.qkv = nn.Linear(width, (heads + 2 * kv_heads) * self.head_dim, bias=not llama)
+        self.proj = nn.Linear(width, width, bias=not llama)
+        self.up = nn.Linear(width, 2 * ffn if llama else ffn, bias=not llama)  # Llama: gate and up together
+        self.down = nn.Linear(ffn, width, bias=not llama)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+        )
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if self.llama:  # rotary embeddings (rotate-half form)
+            q, k = (
+                t * cos + torch.cat([-t[..., t.size(-1) // 2 :], t[..., : t.size(-1) // 2]], -1) * sin
+                for t in (q, k)
+            )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        h = self.up(self.norm2(x))
+        if self.llama:
+            gate, up = h.chunk(2, dim=-1)
+            return x + self.down(F.silu(gate) * up)
+        return x + self.down(F.gelu(h, approximate="tanh"))
+
+
+class LeanLM(nn.Module):
+    """The shape of a transformers GPT-2 or Llama config, tied embeddings, nothing else."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.llama = config.model_type == "llama"
+        width, heads, layers = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
+        if self.llama:
+            kv, ffn, eps = config.num_key_value_heads, config.intermediate_size, config.rms_norm_eps
+            theta = config.rope_parameters["rope_theta"]
+            inv_freq = 1.0 / theta ** (torch.arange(0, width // heads, 2).float() / (width // heads))
+            angles = torch.outer(torch.arange(config.max_position_embeddings).float(), inv_freq)
+            self.register_buffer("cos", torch.cat([angles, angles], -1).cos(), persistent=False)
+            self.register_buffer("sin", torch.cat([angles, angles], -1).sin(), persistent=False)
+        else:
+            kv, ffn, eps = heads, config.n_inner or 4 * width, config.layer_norm_epsilon
+            self.positions = nn.Embedding(config.n_positions, width)
+        self.embed = nn.Embedding(config.vocab_size, width)
+        self.blocks = nn.ModuleList(LeanBlock(self.llama, width, heads, kv, ffn, eps) for _ in range(layers))
+        self.norm = nn.RMSNorm(width, eps=eps) if self.llama else nn.LayerNorm(width, eps=eps)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, ids):
+        T = ids.size(1)
+        x = self.embed(ids)
+        cos = sin = None
+        if self.llama:
+            cos, sin = self.cos[:T], self.sin[:T]
+        else:
+            x = x + self.positions(torch.arange(T, device=ids.device))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return F.linear(self.norm(x), self.embed.weight)
+
+
+def lean(config_path: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    """Median-step tokens/s of the lean model on the recipe's first batches (in memory), fused AdamW."""
+    cfg = load_config([config_path, *overrides])
     threads = configure_threads(cfg.run.threads, 1)
-    torch.manual_seed(0)
-    model = build_model(build_model_config(cfg.model), dtype=cfg.train.param_dtype)
-    optimizer = build_optimizer(model, cfg.optim)
-    precision = MixedPrecision(cfg.train.precision, torch.device("cpu"))
     B, K, T = cfg.train.micro_batch_size, cfg.train.grad_accum_steps, cfg.data.seq_len
-    batch = torch.randint(0, model.config.vocab_size, (B * K, T))
-    n_targets = count_targets(batch)
+    stream = TrainStream(
+        cfg.data.train,
+        load_tokenizer(cfg.data.tokenizer),
+        seq_len=T,
+        num_streams=cfg.data.num_streams,
+        rows_per_step=B * K,
+        rank=0,
+        world_size=1,
+        num_workers=0,
+        seed=cfg.run.seed,
+        shuffle=cfg.data.shuffle,
+        shuffle_window=cfg.data.shuffle_window,
+    )
+    batches = [rows.input_ids for rows, _ in zip(stream, range(warmup + steps), strict=False)]
+    stream.close()
+    torch.manual_seed(cfg.run.seed)
+    model = LeanLM(build_model_config(cfg.model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95), fused=True)
     times = []
-    for _ in range(warmup + steps):
+    for batch in batches:
         start = time.perf_counter()
         for x in batch.split(B):
-            with precision.autocast():
-                logits = model(input_ids=x).logits
-            precision.scale(causal_lm_loss_sum(logits, x) / n_targets).backward()
-        precision.unscale_(optimizer)
-        precision.step(optimizer)
+            logits = model(x)
+            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+            (loss / K).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    step = statistics.median(times[warmup:])
     return {
-        "tokens_per_s": B * K * T / step,
-        "step_time_s": step,
-        "threads": threads,
+        "tokens_per_s": B * K * T / fastest_quarter(times[warmup:]),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "threads": threads,
+        "params": sum(p.numel() for p in model.parameters()),
     }
 
 
-def recipe(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
-    """Median-step wall-clock tokens/s of the real recipe (between its metrics rows) after `warmup` steps."""
+# ---- the recipe ------------------------------------------------------------------------------------
+
+
+def recipe(config_path: str, overrides: list[str], switches: dict, steps: int, warmup: int) -> dict:
+    """Median wall-clock tokens/s of `accelerate launch recipes/pretrain.py` between its metrics rows."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [
             str(Path(sys.executable).with_name("accelerate")),
@@ -74,63 +193,154 @@ def recipe(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
             "--config_file",
             str(ROOT / "configs/accelerate/cpu.yaml"),
             str(ROOT / "recipes/pretrain.py"),
-            config,
+            config_path,
             f"--run.output_dir={out}/run",
             f"--train.max_steps={warmup + steps}",
             "--eval.every=0",
+            "--eval.batches=1",
             "--eval.sample_tokens=0",
             "--checkpoint.every=0",
             "--optim.warmup_steps=1",
+            "--logging.wandb_mode=disabled",
             *overrides,
+            *[f"--{key}={json.dumps(value)}" for key, value in switches.items()],
         ]
-        env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "HF_HUB_OFFLINE": "1"}
-        subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
-        rows = [json.loads(line) for line in open(f"{out}/run/metrics.jsonl")]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        subprocess.run(
+            cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        rows = [json.loads(line) for line in open(f"{out}/run/metrics.jsonl") if '"train/loss"' in line]
     timed = rows[warmup - 1 :]
-    tokens_per_step = timed[1]["perf/tokens_per_s"] * timed[1]["perf/step_time_s"]
-    # Wall clock between consecutive rows: the step plus everything the loop does around it.
-    step = statistics.median(
-        b["_timestamp"] - a["_timestamp"] for a, b in zip(timed, timed[1:], strict=False)
+    tokens_per_step = rows[0]["perf/tokens_per_s"] * rows[0]["perf/step_time_s"]
+    step = fastest_quarter(
+        [b["_timestamp"] - a["_timestamp"] for a, b in zip(timed, timed[1:], strict=False)]
     )
     return {
         "tokens_per_s": tokens_per_step / step,
-        "step_time_s": step,
-        "data_wait_frac": statistics.mean(r["perf/data_wait_frac"] for r in timed[1:]),
-        "mfu": statistics.median(r["perf/mfu"] for r in timed[1:]),
         "peak_rss_bytes": rows[-1]["perf/peak_mem_bytes"],
+        "compile_s": next((r["perf/compile_s"] for r in rows if "perf/compile_s" in r), None),
     }
+
+
+def measure(name: str, run) -> dict:
+    load = os.getloadavg()[0]
+    result = run()
+    print(f"  {name}: {result['tokens_per_s']:,.0f} tokens/s (load average {load:.1f})", flush=True)
+    return {**result, "load": load}
+
+
+def benchmark_shape(label: str, config_path: str, overrides: list[str], args) -> None:
+    cfg = load_config([config_path, *overrides])
+    B, K, T = cfg.train.micro_batch_size, cfg.train.grad_accum_steps, cfg.data.seq_len
+    print(
+        f"\n{label}: {cfg.model.type}, micro-batch {B} x accumulation {K} x {T} tokens = {B * K * T} tokens/step"
+    )
+    eager_row = "eager (every switch off)"
+    singles = {eager_row: OFF, **{f"+ {k}": {**OFF, **v} for k, v in SWITCHES.items()}}
+    results: dict[str, list[dict]] = {name: [] for name in [*singles, "best", "lean reference"]}
+    lean_cmd = [
+        sys.executable,
+        __file__,
+        config_path,
+        "--lean",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+    ]
+
+    def run_recipe(switches):
+        return lambda: recipe(config_path, overrides, switches, args.steps, args.warmup)
+
+    def run_lean():
+        out = subprocess.run([*lean_cmd, *overrides], check=True, capture_output=True, text=True).stdout
+        return json.loads(out.splitlines()[-1])
+
+    def median(name, key="tokens_per_s"):
+        values = [r[key] for r in results[name] if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    def rounds(runs: dict) -> list[dict]:
+        """Every run once per round, odd rounds in reverse order (a load that drifts cancels out)."""
+        measured = []
+        for round_ in range(args.rounds):
+            print(f" round {round_ + 1}: {', '.join(runs)}", flush=True)
+            names = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+            measured.append({name: measure(name, runs[name]) for name in names})
+            for name in names:
+                results[name].append(measured[-1][name])
+        return measured
+
+    rounds({name: run_recipe(switches) for name, switches in singles.items()})
+    # The best combination: every switch faster alone than eager, except activation checkpointing
+    # (it buys memory with compute). Then eager, best and the lean reference side by side.
+    best = dict(OFF)
+    for switch, values in SWITCHES.items():
+        if switch != "activation checkpointing" and median(f"+ {switch}") > median(eager_row):
+            best.update(values)
+    paired = rounds({eager_row: run_recipe(OFF), "best": run_recipe(best), "lean reference": run_lean})
+
+    eager = median(eager_row)
+    on = [k for k, v in SWITCHES.items() if all(best[f] == x for f, x in v.items())]
+    loads = [r["load"] for v in results.values() for r in v]
+    print(
+        f"best combination: {' + '.join(on) or 'none'}; load average {min(loads):.1f}-{max(loads):.1f} (2 cores)"
+    )
+    print(f"{'':32} {'tokens/s: median (spread)':>28} {'x eager':>8} {'peak RSS':>9} {'compile':>8}")
+    for name in results:
+        values = [r["tokens_per_s"] for r in results[name]]
+        compile_s = median(name, "compile_s")
+        print(
+            f"{name:32} {median(name):>10,.0f} ({min(values):,.0f}-{max(values):,.0f}) "
+            f"{median(name) / eager:>7.2f}x {median(name, 'peak_rss_bytes') / 2**30:>7.2f}G "
+            f"{f'{compile_s:.0f} s' if compile_s else '-':>8}"
+        )
+    lean_info = results["lean reference"][0]
+    for label_, over in (("best / eager", eager_row), ("recipe (best) / lean reference", "lean reference")):
+        ratios = [r["best"]["tokens_per_s"] / r[over]["tokens_per_s"] for r in paired]
+        print(
+            f"{label_} = {statistics.median(ratios):.2f}x (side by side, per round: "
+            f"{', '.join(f'{x:.2f}x' for x in ratios)})"
+        )
+    print(f"lean model: {lean_info['params']:,} parameters, {lean_info['threads']} threads")
+
+
+def gpt2_shape(config_path: str, folder: Path) -> str:
+    """The config with its model swapped for the GPT-2 shape (same data and tokenizer vocabulary)."""
+    data = yaml.safe_load(Path(config_path).read_text())
+    vocab = data["model"].get("overrides", {}).get("vocab_size")
+    data["model"] = {"type": "gpt2", "overrides": {**GPT2, **({"vocab_size": vocab} if vocab else {})}}
+    data["data"]["seq_len"] = 64
+    data["train"].update(micro_batch_size=12, grad_accum_steps=1)
+    path = folder / "gpt2-4x128.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed first steps (compilation happens there)"
+    )
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--shapes", default="config,gpt2", help="config, gpt2 or both")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="threads per run (0: every core); 1 stays meaningful on a busy machine",
+    )
+    parser.add_argument("--lean", action="store_true", help=argparse.SUPPRESS)  # one lean run, JSON out
     args, overrides = parser.parse_known_args()
-    cfg = load_config([args.config, *overrides])
-    B, K, T = cfg.train.micro_batch_size, cfg.train.grad_accum_steps, cfg.data.seq_len
-    print(
-        f"config {args.config}: micro-batch {B} x accumulation {K} x seq_len {T} = {B * K * T} tokens/step, "
-        f"precision {cfg.train.precision}, {args.steps} timed steps after {args.warmup}"
-    )
-    # Shared machines drift: measure the ceiling before and after the recipe and use their mean.
-    before = ceiling(cfg, args.steps, args.warmup)
-    full = recipe(args.config, overrides, args.steps, args.warmup)
-    after = ceiling(cfg, args.steps, args.warmup)
-    ceil = {**after, "tokens_per_s": (before["tokens_per_s"] + after["tokens_per_s"]) / 2}
-    ceil["step_time_s"] = B * K * T / ceil["tokens_per_s"]
-    gib = 2**30
-    print(
-        f"ceiling (fwd+bwd+AdamW, ready tensors, {ceil['threads']} threads): {ceil['tokens_per_s']:,.0f} tokens/s "
-        f"(before {before['tokens_per_s']:,.0f}, after {after['tokens_per_s']:,.0f}), "
-        f"{ceil['step_time_s'] * 1e3:.1f} ms/step, peak RSS {ceil['peak_rss_bytes'] / gib:.2f} GiB"
-    )
-    print(
-        f"recipe (accelerate launch, wall clock):  {full['tokens_per_s']:,.0f} tokens/s, "
-        f"{full['step_time_s'] * 1e3:.1f} ms/step, data wait {full['data_wait_frac']:.2%}, "
-        f"MFU {full['mfu']:.1%}, peak RSS {full['peak_rss_bytes'] / gib:.2f} GiB"
-    )
-    print(f"recipe / ceiling = {full['tokens_per_s'] / ceil['tokens_per_s']:.1%}")
+    if args.lean:  # the overrides already carry the parent's --run.threads
+        print(json.dumps(lean(args.config, overrides, args.steps, args.warmup)))
+        return
+    overrides = [*overrides, f"--run.threads={args.threads}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        shapes = {"config": (Path(args.config).name, args.config)}
+        shapes["gpt2"] = ("GPT-2 4 layers x 4 heads x 128 wide", gpt2_shape(args.config, Path(tmp)))
+        for key in args.shapes.split(","):
+            benchmark_shape(*shapes[key], overrides, args)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ class ModelConfig:
     """A local path or Hub id to continue pretraining from (from_pretrained); overrides still apply."""
     attn_implementation: str = "sdpa"
     """Attention kernel passed to transformers: eager | sdpa | flash_attention_2 | flex_attention.
-    A kernel that cannot run here (package missing, no CUDA, model lacks it) is refused at start-up."""
+    A kernel that cannot run here (flash-attn missing, no CUDA, not bf16/fp16, model lacks it) is
+    refused before any work; the one that runs is logged ("[lmpretrain] attention: ...")."""
 
 
 @dataclass
@@ -77,7 +78,10 @@ class DataConfig:
     window's documents are permuted with the seed before packing."""
     document_masking: bool = False
     """Attention never crosses a document boundary inside a packed block, and positions restart at
-    each document (block-causal mask, or flash-attention varlen through position_ids)."""
+    each document (a document starts after each EOS): position_ids restart, from which transformers
+    builds a block-causal mask (sdpa, eager, flex_attention) or flash-attention's varlen path (the
+    micro-batch as one row). Checked at start-up on three packed documents; refused for models that
+    cannot do it. Evaluation masks the same way."""
     add_bos: bool | None = None
     """BOS before each document; null = true when the tokenizer has a BOS token distinct from EOS (the
     builtin one has). Recorded in the resume fingerprint."""
@@ -104,19 +108,24 @@ class TrainConfig:
     mask_cross_doc_targets: bool = False
     """Ignore (-100) each document's first token as a target: it cannot be predicted from the previous one."""
     compile: bool = False
-    """torch.compile each transformer block (regional compilation); the compile time is logged once
-    as perf/compile_s."""
+    """torch.compile each transformer block in place (regional compilation: one graph shared by all
+    blocks, parameter names unchanged); compiled during the first steps, whose time is logged once as
+    perf/compile_s (benchmarks skip those steps). Sample generation stays eager."""
     activation_checkpointing: bool = False
-    """Recompute each block's activations in backward (non-reentrant, RNG preserved): less memory,
-    about one extra forward."""
+    """Recompute each block's activations in backward (transformers' checkpointing: non-reentrant,
+    RNG state preserved, so dropout runs match and resume bit-exactly): less memory, about one extra
+    forward. Under FSDP2 use this, not the launch config's fsdp_activation_checkpointing (refused)."""
     loss_impl: str = "full"
-    """full: logits of the whole micro-batch, then cross-entropy | chunked: cross-entropy from the final
-    hidden states in chunks of loss_chunk_tokens, never holding the full fp32 logits | liger: Liger's
-    fused linear cross-entropy (CUDA and the liger-kernel package)."""
+    """full: logits of the whole micro-batch, then fp32 cross-entropy | chunked: cross-entropy from the
+    final hidden states through the output embedding, loss_chunk_tokens rows at a time, gradients
+    computed chunk by chunk (never the full fp32 logits; rows without a target are skipped) | liger:
+    Liger's fused linear cross-entropy (CUDA and the liger-kernel package). chunked/liger are refused
+    for models that post-process their logits (soft-capping, scaling), checked at start-up."""
     loss_chunk_tokens: int = 2048
-    """Tokens per chunk of the chunked loss (peak logits memory = chunk x vocab x 4 bytes)."""
+    """Rows of the chunked loss (peak logits memory = chunk x vocab x 4 bytes, x2 with the softmax)."""
     z_loss: float = 0.0
-    """Weight of the z-loss z_loss * mean(logsumexp(logits)^2) over target tokens (OLMo); 0 = off."""
+    """Adds z_loss * mean(logsumexp(logits)^2) over target tokens (OLMo's z-loss), normalised like the
+    loss across micro-batches and ranks; logged as train/z_loss (the added term); 0 = off."""
     max_skipped_steps: int = 10
     """Stop (exit 2) after this many consecutive skipped updates (non-finite loss or gradient, spikes);
     fp16 overflows the loss scaler answers by halving its scale (while it is >= 1) do not count."""
@@ -145,7 +154,8 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     fused: bool = True
-    """torch's fused AdamW where the device supports it, else the foreach implementation (same math)."""
+    """torch's fused AdamW where the device supports it, else the foreach implementation (same update;
+    checkpoints load across the two). The one that runs is logged at start-up."""
     schedule: str = "cosine"
     """cosine | wsd (warmup-stable-decay) | linear | constant, after the linear warmup; a function of the
     updates applied and the current config, so changing it (or lr, min_lr, warmup, max_steps) at resume works."""
@@ -447,4 +457,6 @@ def model_problems(cfg: Config, model_config, tokenizer) -> list[str]:
             "model.overrides.output_router_logits=true asks for the router's load-balancing loss, which the "
             "recipe's loss (the language-model loss only) would silently leave out; set it to false"
         )
-    return p
+    from lmpretrain.speed import kernel_problems  # here: it loads transformers' model registry
+
+    return p + kernel_problems(cfg, model_config)

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from lmpretrain.loss import IGNORE_INDEX, causal_lm_loss_sum, count_targets
+from lmpretrain.loss import IGNORE_INDEX, count_targets
+from lmpretrain.objective import LMObjective
 
 
 def rank_share(blocks: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,8 +24,12 @@ def rank_share(blocks: torch.Tensor, rank: int, world_size: int) -> tuple[torch.
 
 
 @torch.no_grad()
-def evaluate(model, blocks: torch.Tensor, *, accelerator, precision, batch_size: int) -> dict:
-    """Mean next-token loss over all ranks' held-out blocks: sum of losses / sum of targets."""
+def evaluate(
+    model, blocks: torch.Tensor, *, accelerator, precision, batch_size: int, objective: LMObjective
+) -> dict:
+    """Mean next-token loss over all ranks' held-out blocks: sum of losses / sum of targets, through the
+    training objective's forward (same document masking and loss kernel), scored without smoothing or z-loss."""
+    objective = objective.held_out()
     model.eval()
     inputs, labels = rank_share(blocks, accelerator.process_index, accelerator.num_processes)
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
@@ -32,8 +37,7 @@ def evaluate(model, blocks: torch.Tensor, *, accelerator, precision, batch_size:
         x = inputs[start : start + batch_size].to(accelerator.device)
         y = labels[start : start + batch_size].to(accelerator.device)
         with precision.autocast():
-            logits = model(input_ids=x).logits
-        total[0] += causal_lm_loss_sum(logits, y).double()
+            total[0] += objective(model, x, y).ce.double()
         total[1] += count_targets(y)
     total = accelerator.reduce(total, reduction="sum")
     model.train()

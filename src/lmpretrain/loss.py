@@ -1,14 +1,34 @@
-"""Causal LM loss as a token *sum*, so the recipe can divide by the global number of targets.
+"""Causal LM loss as token *sums*, so the recipe can divide by the global number of targets.
 
 Averaging per-micro-batch means weights a micro-batch with few kept tokens as much as a full one;
 summing here and normalising once by the count over all micro-batches and ranks makes gradient
 accumulation and data parallelism equal one big batch.
+
+Three implementations of the same sums (`train.loss_impl`): `full` from the model's logits;
+`chunked` from the final hidden states through the output embedding, a chunk of rows at a time,
+never holding the logits of the whole micro-batch; `liger` with Liger's fused kernel (CUDA).
+Each also sums the z-loss term logsumexp(logits)^2 over the targets (OLMo's stabiliser).
 """
+
+from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+
+class LossSums(NamedTuple):
+    """Token sums over a micro-batch's targets (a NamedTuple so DDP/FSDP walk it like a tuple).
+
+    `objective` (= ce + z_loss * z) is what backward runs on; `ce` and `z` are detached, for logging.
+    """
+
+    objective: torch.Tensor
+    ce: torch.Tensor
+    z: torch.Tensor
 
 
 def make_labels(input_ids: torch.Tensor, ignore_after_token: int | None = None) -> torch.Tensor:
@@ -30,17 +50,171 @@ def count_targets(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """targets[:, t] = labels[:, t + 1]: what position t predicts; the last position has none."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    return targets
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32, or float64 for float64 runs
+
+
+def logits_loss_sums(
+    logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0, z_loss: float = 0.0
+) -> LossSums:
+    """`full`: sums from logits (..., V) aligned with `targets` (...), in fp32 (or wider)."""
+    logits = logits.reshape(-1, logits.size(-1))
+    logits = logits.to(_accumulation_dtype(logits.dtype))
+    targets = targets.reshape(-1)
+    ce = F.cross_entropy(
+        logits, targets, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing
+    )
+    z = logits.new_zeros(())
+    if z_loss:
+        z = torch.logsumexp(logits[targets != IGNORE_INDEX], dim=-1).square().sum()
+    return LossSums(ce + z_loss * z if z_loss else ce, ce.detach(), z.detach())
+
+
 def causal_lm_loss_sum(
     logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
 ) -> torch.Tensor:
     """Teacher forcing: position t predicts labels[t+1]; summed in fp32 (or wider) over non-ignored targets."""
-    logits = logits[:, :-1]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    targets = labels[:, 1:]
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)),
-        targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-        label_smoothing=label_smoothing,
+    return logits_loss_sums(logits, next_token_targets(labels), label_smoothing).objective
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the output projection runs in: autocast's when it is on (as nn.Linear would), else the weight's."""
+    device_type = weight.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Cross-entropy (+ z-loss) of `hidden @ weight.T + bias`, `chunk` rows at a time.
+
+    The gradients are computed chunk by chunk in the forward pass (only one chunk's logits ever exist)
+    and scaled in backward; the objective is linear in them, so nothing is recomputed.
+    d/dlogits of ce + w * lse^2 = softmax * (1 + 2 w lse) - (1 - s) onehot(target) - s / V.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, label_smoothing: float, z_loss: float):
+        dtype = _compute_dtype(weight)
+        acc = _accumulation_dtype(dtype)
+        vocab = weight.size(0)
+        w = weight.to(dtype)
+        # fp16 gradients computed here are not loss-scaled yet (backward scales them): they stay fp32 so
+        # small ones do not underflow. bf16 has fp32's range and keeps the fast matmuls.
+        grad_dtype = acc if dtype == torch.float16 else dtype
+        w_grad = w if grad_dtype == dtype else weight.to(grad_dtype)
+        b = bias.to(dtype) if bias is not None else None
+        want_grad = any(ctx.needs_input_grad[:3])
+        ce = torch.zeros((), dtype=acc, device=hidden.device)
+        z = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_hidden = None
+        if want_grad:
+            grad_hidden = torch.empty(
+                hidden.shape, dtype=torch.promote_types(hidden.dtype, grad_dtype), device=hidden.device
+            )
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_grad else None
+        grad_bias = (
+            torch.zeros(vocab, dtype=acc, device=weight.device) if want_grad and b is not None else None
+        )
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen above, as autocast would
+            for start in range(0, hidden.size(0), chunk):
+                h = hidden[start : start + chunk].to(dtype)
+                y = targets[start : start + chunk]
+                # One pass over the chunk's logits, in place: shift by the row max, exponentiate, normalise.
+                logits = F.linear(h, w, b).to(acc)
+                row_max = logits.amax(dim=-1)
+                logits.sub_(row_max[:, None])
+                rows = -logits.gather(1, y[:, None]).squeeze(1)  # - shifted target logit
+                if label_smoothing:
+                    rows = (1 - label_smoothing) * rows - label_smoothing * logits.mean(dim=-1)
+                total = logits.exp_().sum(dim=-1)
+                shifted_lse = total.log()
+                ce += (rows + shifted_lse).sum()  # logsumexp - target logit (smoothed), the max cancels
+                lse = shifted_lse + row_max
+                z += lse.square().sum()
+                if not want_grad:
+                    continue
+                grad = logits.div_(total[:, None])  # softmax
+                if z_loss:
+                    grad.mul_((1 + 2 * z_loss * lse)[:, None])
+                grad[torch.arange(len(y), device=y.device), y] -= 1 - label_smoothing
+                if label_smoothing:
+                    grad.sub_(label_smoothing / vocab)
+                grad = grad.to(grad_dtype)
+                grad_hidden[start : start + chunk] = grad @ w_grad
+                grad_weight += (grad.T @ hidden[start : start + chunk].to(grad_dtype)).to(acc)
+                if grad_bias is not None:
+                    grad_bias += grad.sum(0).to(acc)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        objective = ce + z_loss * z if z_loss else ce.clone()
+        z = z if z_loss else torch.zeros_like(z)  # as `full` reports: no z term, no z sum
+        ctx.mark_non_differentiable(ce, z)
+        return objective, ce, z
+
+    @staticmethod
+    def backward(ctx, grad_objective, _grad_ce, _grad_z):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        scale = grad_objective.to(grad_weight.dtype)
+        grads = [
+            (grad_hidden * scale.to(grad_hidden.dtype)).to(hidden_dtype) if ctx.needs_input_grad[0] else None,
+            (grad_weight * scale).to(weight_dtype) if ctx.needs_input_grad[1] else None,
+            (grad_bias * scale).to(bias_dtype) if ctx.needs_input_grad[2] else None,
+        ]
+        return (*grads, None, None, None, None)
+
+
+def chunked_loss_sums(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    chunk_tokens: int,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> LossSums:
+    """`chunked`: the sums of `logits_loss_sums(hidden @ weight.T + bias, targets)`, with at most
+    `chunk_tokens` rows of logits alive at once; rows without a target are never projected."""
+    keep = targets.reshape(-1) != IGNORE_INDEX
+    rows = hidden.reshape(-1, hidden.size(-1))[keep]
+    objective, ce, z = _ChunkedLinearCrossEntropy.apply(
+        rows, weight, bias, targets.reshape(-1)[keep], chunk_tokens, label_smoothing, z_loss
     )
+    return LossSums(objective, ce, z)
+
+
+def liger_loss_sums(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> LossSums:
+    """`liger`: Liger's fused linear cross-entropy (Triton, CUDA only); its loss includes the z term."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    loss, z_term = liger_fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.size(-1)),
+        weight,
+        targets.reshape(-1),
+        bias,
+        ignore_index=IGNORE_INDEX,
+        lse_square_scale=z_loss,
+        label_smoothing=label_smoothing,
+        reduction="sum",
+        return_z_loss=True,
+    )
+    z_term = z_term if z_term is not None else torch.zeros_like(loss)
+    z = (z_term / z_loss).detach() if z_loss else torch.zeros_like(loss)
+    return LossSums(loss, (loss - z_term).detach(), z)

@@ -22,8 +22,13 @@ def build_model_config(model_cfg, tokenizer=None) -> PretrainedConfig:
     A config built from `model.type` takes bos/eos/pad_token_id from `tokenizer` (the model type's
     defaults are another tokenizer's ids), unless model.overrides sets them; a pretrained model keeps its own.
     """
-    # use_cache: training never reuses a KV cache; generation asks for one explicitly.
-    overrides = {"use_cache": False, **model_cfg.overrides}
+    # use_cache: training never reuses a KV cache; generation asks for one explicitly. The attention
+    # kernel rides on the config (not saved with it), so from_config/from_pretrained build with it.
+    overrides = {
+        "use_cache": False,
+        "attn_implementation": model_cfg.attn_implementation,
+        **model_cfg.overrides,
+    }
     if tokenizer is not None and not model_cfg.pretrained:
         overrides = {**{name: getattr(tokenizer, name) for name in SPECIAL_TOKENS}, **overrides}
     if model_cfg.pretrained:  # one load: from_pretrained hands back the overrides it could not apply
@@ -56,12 +61,16 @@ def _refuse_unknown_overrides(config: PretrainedConfig, keys) -> None:
 def build_model(config: PretrainedConfig, pretrained: str | None = None, dtype: str = "float32") -> nn.Module:
     """Weights from `pretrained`, else a fresh init from the (seeded) global RNG.
 
-    Parameters stay in `dtype` (fp32 master weights); autocast lowers only the compute.
+    Parameters stay in `dtype` (fp32 master weights); autocast lowers only the compute. The attention
+    kernel is the config's (`model.attn_implementation`, checked by `speed.kernel_problems`).
     """
     dtype = getattr(torch, dtype)
+    kernel = config._attn_implementation
     if pretrained:
-        return AutoModelForCausalLM.from_pretrained(pretrained, config=config, dtype=dtype)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(
+            pretrained, config=config, dtype=dtype, attn_implementation=kernel
+        )
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kernel)
 
 
 def parameter_counts(model: nn.Module) -> dict:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False) -> list[dict]:
@@ -44,12 +47,43 @@ def describe_groups(groups: list[dict]) -> str:
     return "; ".join(parts)
 
 
-def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.AdamW:
-    """AdamW; its moments are fp32 because the parameters are fp32 (autocast only lowers compute)."""
+def build_optimizer(model: nn.Module, optim_cfg, device: torch.device | None = None) -> torch.optim.AdamW:
+    """AdamW; its moments are fp32 because the parameters are fp32 (autocast only lowers compute).
+
+    `optim.fused`: torch's fused kernel when `device` (where training runs; default: the parameters')
+    supports it, else the foreach implementation. Same update rule, so checkpoints load across the two
+    (`keep_implementation` stops a loaded checkpoint from switching it).
+    """
     groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.decay_embeddings)
-    return torch.optim.AdamW(
-        groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps
+    device = device or next(model.parameters()).device
+    fused = optim_cfg.fused and device.type in _get_fused_kernels_supported_devices()
+    optimizer = torch.optim.AdamW(
+        groups,
+        lr=optim_cfg.lr,
+        betas=(optim_cfg.beta1, optim_cfg.beta2),
+        eps=optim_cfg.eps,
+        fused=fused,
+        foreach=not fused,
     )
+    optimizer.register_load_state_dict_post_hook(partial(keep_implementation, fused=fused))
+    return optimizer
+
+
+def keep_implementation(optimizer: torch.optim.Optimizer, *, fused: bool) -> None:
+    """Loading a state dict copies its groups' `fused`/`foreach` flags; keep the ones this run chose."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = fused, not fused
+
+
+def describe_implementation(optimizer: torch.optim.Optimizer, optim_cfg, device: torch.device) -> str:
+    """Which AdamW kernel runs, and why when it is not the one asked for."""
+    fused = optimizer.param_groups[0]["fused"]
+    why = ""
+    if optim_cfg.fused and not fused:
+        why = f" (no fused AdamW kernel for {device.type})"
+    elif not optim_cfg.fused:
+        why = " (optim.fused=false)"
+    return f"AdamW implementation: {'fused' if fused else 'foreach'}{why}"
 
 
 def apply_hyperparameters(optimizer: torch.optim.Optimizer, optim_cfg) -> None:

@@ -1,0 +1,248 @@
+"""One forward + loss for training and evaluation: document masking, the loss implementation, z-loss.
+
+The recipe's micro-batch loop and `evaluate` both call `objective(model, input_ids, labels)`, which
+returns token sums (`LossSums`), so every caller masks documents and computes the loss the same way
+and the recipe still normalises once by the global target count.
+
+The loss runs inside the model's own forward (`install_loss_forward`): under FSDP2 the output
+embedding is gathered only during the root module's forward, and DDP/DeepSpeed see an ordinary call.
+Called without `lm_targets`, the model behaves as before (generation, pipelines).
+
+Document masking: a new document starts after each EOS (the data pipeline guarantees EOS ends every
+document). Positions restart at each document, and transformers turns restarting `position_ids`
+into a block-causal mask (sdpa, eager, flex_attention) or flash-attention's variable-length path,
+which reads documents from the positions of a single row (so the micro-batch becomes one row).
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+
+from lmpretrain.errors import ConfigError
+from lmpretrain.loss import (
+    IGNORE_INDEX,
+    LossSums,
+    chunked_loss_sums,
+    liger_loss_sums,
+    logits_loss_sums,
+    next_token_targets,
+)
+
+
+def document_positions(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Position of each token within its document: 0 at each row start and after each EOS."""
+    index = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = input_ids[:, :-1] == eos_token_id
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+@dataclass(frozen=True)
+class LMObjective:
+    """What a micro-batch is trained on (from `train.*` and `data.document_masking`); call it on a batch."""
+
+    loss_impl: str = "full"
+    chunk_tokens: int = 2048
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    document_masking: bool = False
+    eos_token_id: int | None = None
+    single_row: bool = False
+    """flash-attention: pack the micro-batch into one row, where its varlen kernel sees the documents."""
+
+    @classmethod
+    def from_config(cls, cfg, eos_token_id: int) -> LMObjective:
+        return cls(
+            loss_impl=cfg.train.loss_impl,
+            chunk_tokens=cfg.train.loss_chunk_tokens,
+            label_smoothing=cfg.train.label_smoothing,
+            z_loss=cfg.train.z_loss,
+            document_masking=cfg.data.document_masking,
+            eos_token_id=eos_token_id,
+            single_row=cfg.data.document_masking and cfg.model.attn_implementation.startswith("flash"),
+        )
+
+    def held_out(self) -> LMObjective:
+        """The same forward for evaluation, scoring plain cross-entropy (no smoothing, no z-loss)."""
+        return replace(self, label_smoothing=0.0, z_loss=0.0)
+
+    def describe(self) -> str:
+        loss = {
+            "full": "full (logits of the whole micro-batch, fp32 cross-entropy)",
+            "chunked": f"chunked ({self.chunk_tokens} tokens of logits at a time, from the final hidden states)",
+            "liger": "liger (Liger's fused linear cross-entropy)",
+        }[self.loss_impl]
+        masking = "off (attention spans the whole packed block)"
+        if self.document_masking:
+            layout = "one row per micro-batch, varlen" if self.single_row else "block-causal mask"
+            masking = f"on (positions restart after each EOS; {layout})"
+        z = f"; z-loss {self.z_loss:g} x mean(logsumexp^2)" if self.z_loss else ""
+        return f"loss: {loss}{z}; document masking: {masking}"
+
+    def model_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
+        """The keyword arguments of the model call for this batch (targets included)."""
+        targets = next_token_targets(labels)
+        inputs = {"input_ids": input_ids}
+        if self.document_masking:
+            inputs["position_ids"] = document_positions(input_ids, self.eos_token_id)
+        if self.single_row:
+            inputs = {k: v.reshape(1, -1) for k, v in inputs.items()}
+            targets = targets.reshape(1, -1)  # each row's last target is already ignored
+        # No KV cache: transformers reads documents from position_ids only when there is none.
+        return {**inputs, "use_cache": False, "lm_targets": targets, "lm_objective": self}
+
+    def __call__(self, model, input_ids: torch.Tensor, labels: torch.Tensor) -> LossSums:
+        """Forward + loss sums of one micro-batch through `model` (wrapped or not)."""
+        return model(**self.model_inputs(input_ids, labels))
+
+    def sums_in_forward(self, model, forward, targets: torch.Tensor, **inputs) -> LossSums:
+        """Inside the model's forward: the sums with this objective's loss implementation."""
+        if self.loss_impl == "full":
+            logits = forward(model, **inputs).logits
+            return logits_loss_sums(logits, targets, self.label_smoothing, self.z_loss)
+        hidden = model.base_model(**inputs).last_hidden_state
+        head = model.get_output_embeddings()
+        if self.loss_impl == "chunked":
+            return chunked_loss_sums(
+                hidden,
+                head.weight,
+                head.bias,
+                targets,
+                chunk_tokens=self.chunk_tokens,
+                label_smoothing=self.label_smoothing,
+                z_loss=self.z_loss,
+            )
+        return liger_loss_sums(
+            hidden, head.weight, head.bias, targets, label_smoothing=self.label_smoothing, z_loss=self.z_loss
+        )
+
+
+def _forward_with_loss(self, *args, lm_targets=None, lm_objective=None, **kwargs):
+    """The model's forward; with `lm_targets` it returns `lm_objective`'s loss sums instead of logits."""
+    forward = type(self).forward
+    if lm_targets is None:
+        # Generation and other plain calls run eager: compiled blocks (train.compile) are specialised for
+        # the training and eval shapes, and a growing KV cache would recompile them at every length.
+        with torch.compiler.set_stance("force_eager"):
+            return forward(self, *args, **kwargs)
+    return lm_objective.sums_in_forward(self, forward, lm_targets, **kwargs)
+
+
+def install_loss_forward(model) -> None:
+    """Let `model(..., lm_targets=, lm_objective=)` compute the loss sums inside the model's forward."""
+    model.forward = types.MethodType(_forward_with_loss, model)
+
+
+# ---- start-up checks: what the model really does with this objective, shown on a few tokens ----------
+
+
+@contextmanager
+def _kernel_that_runs_here(model):
+    """Flash attention cannot run before the model reaches its GPU: check with sdpa meanwhile (same masks)."""
+    kernel = model.config._attn_implementation
+    device = next(model.parameters()).device
+    if not (kernel.startswith("flash") and device.type == "cpu"):
+        yield kernel
+        return
+    model.config._attn_implementation = "sdpa"
+    try:
+        yield f"sdpa standing in for {kernel} on the CPU before the model moves"
+    finally:
+        model.config._attn_implementation = kernel
+
+
+def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _sample_documents(vocab: int, eos: int, lengths=(5, 9, 6)) -> list[torch.Tensor]:
+    """Token ids from a private generator (training's RNG stream is untouched), each ending with EOS."""
+    gen = torch.Generator().manual_seed(0)
+    docs = []
+    for n in lengths:
+        ids = torch.randint(0, vocab, (n,), generator=gen)
+        ids[ids == eos] = (eos + 1) % vocab
+        ids[-1] = eos
+        docs.append(ids)
+    return docs
+
+
+@torch.no_grad()
+def check_objective(model, objective: LMObjective, tolerance: float = 1e-4) -> list[str]:
+    """Refuse (ConfigError) what this model cannot do with `objective`, shown on a few tokens before any
+    training: chunked/liger losses on models that post-process their logits (soft-capping, scaling),
+    and document masking on models or kernels that let attention cross documents. Returns log lines."""
+    params = list(model.parameters())
+    if any(p.is_meta for p in params):  # weights not loaded on this rank (FSDP's rank-0 loading)
+        return ["objective checks skipped on this rank: its weights are not materialised yet"]
+    device, vocab = params[0].device, model.config.vocab_size
+    kind = model.config.model_type
+    lines = []
+    was_training = model.training
+    model.eval()
+    try:
+        with _kernel_that_runs_here(model) as kernel:
+            if objective.loss_impl != "full":
+                lines.append(_check_logits_from_hidden(model, objective, kind, vocab, device))
+            if objective.document_masking:
+                lines.append(
+                    _check_document_masking(model, objective, kind, kernel, vocab, device, tolerance)
+                )
+    finally:
+        model.train(was_training)
+    return lines
+
+
+def _check_logits_from_hidden(model, objective, kind, vocab, device) -> str:
+    base, head = model.base_model, model.get_output_embeddings()
+    if base is model or head is None or not hasattr(head, "weight"):
+        raise ConfigError(
+            [
+                f"train.loss_impl={objective.loss_impl}: a {kind} model has no separate base model and output "
+                f"embedding to compute the loss from; use train.loss_impl=full"
+            ]
+        )
+    ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(1)).to(device)
+    logits = type(model).forward(model, input_ids=ids).logits
+    projected = head(base(input_ids=ids).last_hidden_state)
+    difference = _relative_difference(projected.double(), logits.double())
+    if difference > 1e-7:  # the same ops give the same bits; soft-capping at init already differs ~1e-5
+        raise ConfigError(
+            [
+                f"train.loss_impl={objective.loss_impl}: a {kind} model post-processes its logits after the output "
+                f"embedding (soft-capping or scaling: relative difference {difference:.2g}), which the "
+                f"{objective.loss_impl} loss does not reproduce; use train.loss_impl=full"
+            ]
+        )
+    return f"{objective.loss_impl} loss: logits = output embedding(final hidden states) for {kind}, checked"
+
+
+def _check_document_masking(model, objective, kind, kernel, vocab, device, tolerance) -> str:
+    """Per-document loss sums of a block packing three documents = those documents run alone."""
+    docs = [d.to(device) for d in _sample_documents(vocab, objective.eos_token_id)]
+    packed = torch.cat(docs)[None]
+    plain = objective.held_out()
+    worst = 0.0
+    start = 0
+    for doc in docs:
+        alone = plain(model, doc[None], doc[None]).ce  # the document's own next-token targets
+        labels = torch.full_like(packed, IGNORE_INDEX)
+        labels[0, start + 1 : start + len(doc)] = doc[1:]
+        inside = plain(model, packed, labels).ce
+        worst = max(worst, abs(inside.item() - alone.item()) / abs(alone.item()))
+        start += len(doc)
+    if worst > tolerance:
+        raise ConfigError(
+            [
+                f"data.document_masking=true: with model.attn_implementation={model.config._attn_implementation} "
+                f"a {kind} model lets attention or positions cross document boundaries (a packed document's loss "
+                f"differs from the document alone by {worst:.2g} relative): it cannot mask documents through "
+                f"position_ids. Use another attention kernel (sdpa, flex_attention) or data.document_masking=false"
+            ]
+        )
+    return f"document masking: packed documents = documents alone for {kind} with {kernel} (relative {worst:.1e})"

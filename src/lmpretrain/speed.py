@@ -1,0 +1,157 @@
+"""The speed switches around the model: attention kernel, activation checkpointing, regional compilation.
+
+They change how the model runs, not what it computes (tests/test_speed.py trains with each one on
+and off and compares). `kernel_problems` refuses, before any work, a kernel or loss that cannot run
+here; `prepare_model` then, before accelerate wraps the model (the order accelerate's own FSDP2 path
+uses: checkpointing, then compile, then sharding), checks the objective on a few tokens, installs it,
+checkpoints and compiles each transformer block, and returns what really runs, for the log.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import torch
+from torch import nn
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.utils import is_flash_attn_2_available
+
+from lmpretrain.errors import ConfigError
+from lmpretrain.objective import LMObjective, check_objective, install_loss_forward
+
+# What each kernel needs from the model class (transformers' own flags).
+_KERNEL_SUPPORT = {
+    "sdpa": "_supports_sdpa",
+    "flash_attention_2": "_supports_flash_attn",
+    "flex_attention": "_supports_flex_attn",
+}
+
+
+def kernel_problems(cfg, model_config) -> list[str]:
+    """Attention kernel and loss implementation that cannot run here (package, device, model class)."""
+    p: list[str] = []
+    kernel, kind = cfg.model.attn_implementation, model_config.model_type
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
+    flag = _KERNEL_SUPPORT.get(kernel)
+    if model_class is not None and flag and not getattr(model_class, flag, False):
+        p.append(
+            f"model.attn_implementation={kernel}: transformers' {model_class.__name__} does not implement it; "
+            f"use {'sdpa' if getattr(model_class, '_supports_sdpa', False) else 'eager'}"
+        )
+    if kernel == "flash_attention_2":
+        if not is_flash_attn_2_available():
+            where = (
+                "no CUDA device here"
+                if not torch.cuda.is_available()
+                else "the flash-attn package is missing"
+            )
+            p.append(
+                f"model.attn_implementation=flash_attention_2 needs a CUDA GPU and `pip install flash-attn` "
+                f"({where}); use sdpa"
+            )
+        if cfg.train.precision not in ("bf16", "fp16"):
+            p.append(
+                "model.attn_implementation=flash_attention_2 computes in bf16/fp16 only: set train.precision=bf16"
+            )
+    if cfg.train.loss_impl == "liger":
+        missing = [
+            need
+            for need, ok in (
+                (
+                    "the liger-kernel package (pip install liger-kernel)",
+                    importlib.util.find_spec("liger_kernel"),
+                ),
+                ("a CUDA GPU", torch.cuda.is_available()),
+            )
+            if not ok
+        ]
+        if missing:
+            p.append(
+                f"train.loss_impl=liger needs {' and '.join(missing)}; use train.loss_impl=chunked (same memory "
+                f"saving, plain PyTorch)"
+            )
+    takes_positions = (
+        model_class is None or "position_ids" in inspect.signature(model_class.forward).parameters
+    )
+    if cfg.data.document_masking and not takes_positions:
+        p.append(
+            f"data.document_masking=true: a {kind} model takes no position_ids, through which documents are "
+            f"masked; set data.document_masking=false"
+        )
+    return p
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks, by the class names transformers lists in `_no_split_modules` (as FSDP wraps)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def enable_activation_checkpointing(model: nn.Module) -> str:
+    """transformers' own checkpointing of each block: non-reentrant, and RNG state preserved so the
+    recomputed forward draws the same dropout masks (and training's RNG stream is not moved)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(
+            [
+                f"train.activation_checkpointing=true: transformers' {type(model).__name__} does not support "
+                f"activation checkpointing; set it to false"
+            ]
+        )
+    model.activation_checkpointing_enable({"use_reentrant": False, "preserve_rng_state": True})
+    # It also hooks the input embedding to make its output require grad (for frozen embeddings, as in
+    # PEFT); ours train, and under no_grad (evaluation) the hook would make compiled blocks recompile.
+    model.disable_input_require_grads()
+    count = sum(getattr(m, "gradient_checkpointing", False) for m in transformer_blocks(model))
+    return f"activation checkpointing: {count} blocks, non-reentrant, RNG preserved"
+
+
+def compile_blocks(model: nn.Module) -> str:
+    """torch.compile each transformer block in place (regional compilation, as torchtitan does).
+
+    In place (`Module.compile`), unlike accelerate's `compile_regions`, which returns a copy whose blocks
+    are OptimizedModules: parameter names stay the same (checkpoints and exports are unchanged) and
+    hooks added later by FSDP2 still run. Identical blocks share one compiled graph.
+    """
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ConfigError(
+            [
+                f"train.compile=true: found no transformer blocks in {type(model).__name__} (its _no_split_modules "
+                f"is empty); set train.compile=false"
+            ]
+        )
+    for block in blocks:
+        block.compile()
+    return f"compile: {len(blocks)} {type(blocks[0]).__name__} blocks (torch.compile, inductor; compiled on first use)"
+
+
+def compile_seconds() -> float:
+    """Wall time torch.compile has spent so far in this process (forward and backward graphs)."""
+    from torch._dynamo.utils import calculate_time_spent  # dynamo's own accounting
+
+    return calculate_time_spent()["total_wall_time"]
+
+
+def prepare_model(model: nn.Module, objective: LMObjective, train_cfg, accelerator=None) -> list[str]:
+    """Check and install the objective, then activation checkpointing and compile; returns the log lines.
+
+    Call it before `accelerator.prepare` (the accelerator's FSDP plugin must not checkpoint too).
+    """
+    fsdp_plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    if getattr(fsdp_plugin, "activation_checkpointing", False):
+        raise ConfigError(
+            [
+                "the FSDP launch config sets fsdp_activation_checkpointing: true, whose checkpointing does not "
+                "preserve the RNG state (dropout would be recomputed with other masks): set it to false and use "
+                "train.activation_checkpointing=true"
+            ]
+        )
+    lines = [f"attention: {model.config._attn_implementation}", objective.describe()]
+    install_loss_forward(model)
+    lines += check_objective(model, objective)
+    if train_cfg.activation_checkpointing:
+        lines.append(enable_activation_checkpointing(model))
+    if train_cfg.compile:
+        lines.append(compile_blocks(model))
+    return lines

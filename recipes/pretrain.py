@@ -19,39 +19,34 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from lmpretrain import runtime
 from lmpretrain.checkpoint import Checkpointer, PerRank, check_output_dir_writable
 from lmpretrain.config import config_problems, load_config, model_problems, save_config
 from lmpretrain.console import ConsoleWarnings, format_log_line
 from lmpretrain.data import TrainStream, heldout_blocks, merge_data_states
-from lmpretrain.distributed import replica_digests
-from lmpretrain.errors import ConfigError, UserError
+from lmpretrain.distributed import check_replicas_identical
+from lmpretrain.errors import ConfigError, DataError, UserError
 from lmpretrain.evaluation import evaluate, generate_sample
 from lmpretrain.export import export_pretrained
-from lmpretrain.fingerprint import check_fingerprint
-from lmpretrain.flops import flops_per_token, mfu, peak_flops
+from lmpretrain.fingerprint import check_fingerprint, run_fingerprint
+from lmpretrain.flops import MFUMeter
 from lmpretrain.guard import UpdateGuard
 from lmpretrain.launch import report_user_error
 from lmpretrain.loss import count_targets, make_labels
 from lmpretrain.model import build_model, build_model_config, parameter_counts
 from lmpretrain.objective import LMObjective
-from lmpretrain.optim import (
-    apply_hyperparameters,
-    build_optimizer,
-    describe_groups,
-    describe_implementation,
-)
+from lmpretrain.optim import apply_hyperparameters, build_optimizer, describe_groups, describe_implementation
 from lmpretrain.precision import MixedPrecision
 from lmpretrain.preemption import PreemptionHandler
+from lmpretrain.progress import step_bar
 from lmpretrain.rng import LoopRNG
 from lmpretrain.runlock import run_lock
 from lmpretrain.schedule import hyperparameter_changes, learning_rate, set_lr
 from lmpretrain.speed import compile_seconds, prepare_model
 from lmpretrain.state import TrainState
 from lmpretrain.tokenizer import load_tokenizer
-from lmpretrain.tracking import Tracker, git_commit, package_versions, wandb_log_with
+from lmpretrain.tracking import Tracker, wandb_log_with
 
 
 def main(argv: list[str]) -> None:
@@ -77,14 +72,7 @@ def train(cfg, cleanup: ExitStack) -> None:
     out = Path(cfg.run.output_dir)
     check_output_dir_writable(out)
     cleanup.enter_context(run_lock(out, accelerator))  # a second live run in this output dir is refused
-    checkpointer = Checkpointer(
-        out,
-        accelerator,
-        keep_last=cfg.checkpoint.keep_last,
-        format=cfg.checkpoint.format,
-        async_save=cfg.checkpoint.async_save,
-        announce=say,
-    )
+    checkpointer = Checkpointer.from_config(out, accelerator, cfg.checkpoint, announce=say)
     cleanup.callback(checkpointer.close)
     resume_from = checkpointer.resolve_resume(cfg.run.resume, cfg.run.overwrite)
 
@@ -99,10 +87,7 @@ def train(cfg, cleanup: ExitStack) -> None:
     for line in prepare_model(model, objective, cfg.train, accelerator):
         say(f"[lmpretrain] {line}")
     optimizer = build_optimizer(model, cfg.optim, accelerator.device)
-    say(
-        f"[lmpretrain] {counts['params_total']:,} parameters; optimizer groups: "
-        f"{describe_groups(optimizer.param_groups)}"
-    )
+    say(f"[lmpretrain] {counts['params_total']:,} parameters; optimizer groups: {describe_groups(optimizer)}")
     say(f"[lmpretrain] {describe_implementation(optimizer, cfg.optim, accelerator.device)}")
     precision = MixedPrecision(
         cfg.train.precision, accelerator.device, cfg.train.loss_scale_init, engine=deepspeed
@@ -125,22 +110,11 @@ def train(cfg, cleanup: ExitStack) -> None:
         num_blocks=cfg.eval.batches * cfg.eval.batch_size,
         progress=accelerator.is_main_process,
     )
-    fingerprint = {
-        **train_data.fingerprint(),
-        "world_size": W,
-        "model": {k: v for k, v in model_config.to_diff_dict().items() if k != "transformers_version"},
-        "micro_batch_size": B,
-        "grad_accum_steps": K,
-        "global_batch": global_batch,
-    }
-
-    flops, flops_source = flops_per_token(model_config, cfg.data.seq_len)  # None: not countable
-    say(
-        f"[lmpretrain] training FLOPs per token: {flops:.4g} ({flops_source})"
-        if flops
-        else f"[lmpretrain] WARNING: {flops_source}"
+    fingerprint = run_fingerprint(cfg, W, train_data.fingerprint(), model_config)  # checked at resume
+    meter = MFUMeter.for_run(
+        model_config, cfg.data.seq_len, accelerator.device, precision.dtype or torch.float32
     )
-    peak, peak_source = peak_flops(accelerator.device, precision.dtype or torch.float32)
+    say(f"[lmpretrain] {meter.describe()}")
 
     # ---- Resume: weights, moments, and every state below (per rank: RNG, data position) ----------
     state, loop_rng = TrainState(), LoopRNG(cfg.run.seed + info.rank)  # replicas drop different units
@@ -168,24 +142,10 @@ def train(cfg, cleanup: ExitStack) -> None:
     if accelerator.is_main_process:  # only now: a refused resume writes nothing
         save_config(cfg, out / "config.yaml")
 
-    tracker = Tracker(
+    tracker = Tracker.for_run(
         accelerator,
-        output_dir=out,
-        project=cfg.logging.wandb_project,
-        mode=cfg.logging.wandb_mode,
-        run_name=cfg.run.name or f"{Path(cfg.config_path).stem}-{out.name}",
-        group=cfg.run.group or Path(cfg.config_path).stem,
-        run_config={
-            **cfg.to_dict(),
-            **counts,
-            "packages": package_versions(),
-            "git_commit": git_commit(),
-            "runtime": vars(info),
-            "flops_per_token": flops,
-            "flops_per_token_source": flops_source,
-            "peak_flops": peak,
-            "peak_flops_source": peak_source,
-        },
+        cfg,
+        facts={**counts, "runtime": vars(info), **meter.facts()},
         run_id=state.wandb_run_id,
         resume_step=state.step if resume_from else None,
     )
@@ -219,15 +179,7 @@ def train(cfg, cleanup: ExitStack) -> None:
     # run seeds it, a resumed run continues the saved one.
     loop_rng.start()
     preemption = cleanup.enter_context(PreemptionHandler())
-    progress = tqdm(
-        total=cfg.train.max_steps,
-        initial=state.step,
-        disable=not accelerator.is_main_process,
-        desc="pretrain",
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=1.0,
-    )
+    progress = step_bar(total=cfg.train.max_steps, initial=state.step, enabled=accelerator.is_main_process)
     cleanup.callback(progress.close)
     max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
     first_step = state.step + 1
@@ -235,18 +187,21 @@ def train(cfg, cleanup: ExitStack) -> None:
         tracker.log({**run_eval(), "train/tokens_seen": 0}, step=0)
     while state.step < cfg.train.max_steps:
         t_start = time.perf_counter()
-        rows = next(batches)  # 1. load
+        batch = next(batches)  # 1. load
         t_data = time.perf_counter() - t_start
         # The lr of this update: a function of the updates applied so far and the current config.
         lr = set_lr(optimizer, learning_rate(cfg, state.step - state.skipped_steps))
-        input_ids = rows.input_ids.to(accelerator.device, non_blocking=True)
+        input_ids = batch.input_ids.to(accelerator.device, non_blocking=True)
         labels = make_labels(input_ids, tokenizer.eos_token_id if cfg.train.mask_cross_doc_targets else None)
         # Normalise by the target count of the whole global batch (all micro-batches, all ranks);
         # times W because gradients are averaged over ranks, times K because accelerator.backward
         # divides by the accumulation steps.
         n_targets = accelerator.reduce(count_targets(labels), reduction="sum").item()
         if n_targets == 0:
-            raise ValueError(f"step {state.step}: every label of the global batch is ignored (-100)")
+            raise DataError(
+                f"step {state.step + 1}: every target of the global batch is ignored (-100), so there is no "
+                f"loss to train on; every token starts a document, too short for train.mask_cross_doc_targets=true"
+            )
         loss_scale = W * K / n_targets
         loss_sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # cross-entropy, z
         for x, y in zip(input_ids.split(B), labels.split(B), strict=True):
@@ -280,16 +235,15 @@ def train(cfg, cleanup: ExitStack) -> None:
             "train/grad_norm": grad_norm,
             "train/clipped": grad_norm > max_norm,
             "train/tokens_seen": state.tokens_seen,
-            "train/epoch": rows.epoch,
-            "train/skipped_docs": rows.skipped_docs,
+            "train/epoch": batch.epoch,
+            "train/skipped_docs": batch.skipped_docs,
             "perf/tokens_per_s": tokens_per_s,
             "perf/step_time_s": step_time,
             "perf/data_wait_frac": t_data / step_time,
             "perf/peak_mem_bytes": runtime.peak_memory_bytes(accelerator.device),
             "train/skipped_steps": state.skipped_steps,
         }
-        if flops:
-            metrics["perf/mfu"] = mfu(tokens_per_s / W, flops, peak)
+        metrics.update(meter.metrics(tokens_per_s / W))  # perf/mfu
         if cfg.train.z_loss:
             metrics["train/z_loss"] = cfg.train.z_loss * z_loss  # the term added to the loss
         if cfg.train.compile and state.step == first_step:  # compiling happens in the first steps
@@ -324,10 +278,7 @@ def train(cfg, cleanup: ExitStack) -> None:
     # ---- Finish: export model + tokenizer for from_pretrained / pipeline() -------------------------
     train_data.close()
     if info.sharding.startswith(("ddp", "deepspeed")):  # replicas must hold identical parameters
-        digests = replica_digests(model, accelerator)
-        say(f"[lmpretrain] parameter sha256 per rank: {' '.join(digests)}")
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"ranks hold different parameters after training: {digests}")
+        say(f"[lmpretrain] {check_replicas_identical(model, accelerator)}")
     final = export_pretrained(model, tokenizer, out / "final", accelerator)  # every rank: gathers shards
     sample = generate_sample(model, tokenizer, cfg.eval.prompt, 48, accelerator)
     say(f"[lmpretrain] done: step {state.step}, eval loss {state.eval_loss:.4f}, model saved to {final}")

@@ -292,6 +292,18 @@ class Checkpointer:
         self._grace_warned = False
         self.files = self._files(self.format, async_save)  # writes the model and optimizer
 
+    @classmethod
+    def from_config(cls, output_dir, accelerator, checkpoint_cfg, announce=None) -> "Checkpointer":
+        """The checkpointer `checkpoint.keep_last/format/async_save` describe."""
+        return cls(
+            output_dir,
+            accelerator,
+            keep_last=checkpoint_cfg.keep_last,
+            format=checkpoint_cfg.format,
+            async_save=checkpoint_cfg.async_save,
+            announce=announce,
+        )
+
     def _files(self, fmt: str, async_save: bool = False) -> Files:
         if self.deepspeed:
             return DeepSpeedFiles(self.state)

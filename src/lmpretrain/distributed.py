@@ -39,3 +39,11 @@ def replica_digests(model, accelerator) -> list[str]:
     for param in model.parameters():  # a DDP wrapper or DeepSpeed engine yields its module's
         digest.update(param.detach().float().cpu().numpy().tobytes())
     return gather_object([digest.hexdigest()[:16]])
+
+
+def check_replicas_identical(model, accelerator) -> str:
+    """Raise unless every replica holds bit-identical parameters (DDP, ZeRO); returns the log line."""
+    digests = replica_digests(model, accelerator)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"ranks hold different parameters after training: {digests}")
+    return f"parameter sha256 per rank: {' '.join(digests)}"

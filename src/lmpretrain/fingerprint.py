@@ -19,17 +19,21 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return flat
 
 
-def _global_batch(fp: dict) -> int | None:
-    if fp.get("global_batch") is not None:
-        return fp["global_batch"]
-    if all(fp.get(k) is not None for k in ("micro_batch_size", "grad_accum_steps", "world_size")):
-        return fp["micro_batch_size"] * fp["grad_accum_steps"] * fp["world_size"]
-    return None
+def run_fingerprint(cfg, world_size: int, data: dict, model_config) -> dict:
+    """This run's fingerprint: the data's (sources, tokenizer, layout), the model config, the batch."""
+    return {
+        **data,
+        "world_size": world_size,
+        "model": {k: v for k, v in model_config.to_diff_dict().items() if k != "transformers_version"},
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "grad_accum_steps": cfg.train.grad_accum_steps,
+        "global_batch": cfg.global_batch(world_size),
+    }
 
 
 def _batch_advice(saved: dict, current: dict, lr: float | None) -> str | None:
     old_w, new_w = saved.get("world_size"), current.get("world_size")
-    old_b, new_b = _global_batch(saved), _global_batch(current)
+    old_b, new_b = saved.get("global_batch"), current.get("global_batch")
     if old_b is not None and new_b is not None and old_b != new_b:
         factor = new_b / old_b
         suggestion = f"optim.lr x {factor:g}" if lr is None else f"lr {lr:.4g} -> {lr * factor:.4g}"
@@ -56,8 +60,8 @@ def check_fingerprint(
     """Compare a checkpoint's fingerprint with this run's; raise naming every difference unless allowed.
 
     Nested dicts are compared key by key (``model.hidden_size``). ``num_workers`` may differ silently.
-    When the world size or global batch (``global_batch`` or micro_batch_size x grad_accum_steps x
-    world_size) differs, the message says how to rescale the learning rate (give ``lr`` for a number).
+    When the world size or global batch differs, the message says how to rescale the learning rate
+    (give ``lr`` for a number).
     Returns the warnings to print when ``allow_mismatch`` is set (empty when nothing differs).
     """
     old, new = _flatten(saved), _flatten(current)

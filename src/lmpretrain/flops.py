@@ -25,6 +25,7 @@ import functools
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -361,3 +362,38 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float, num_devices: i
     if peak <= 0 or num_devices <= 0:
         raise ValueError(f"peak ({peak}) and num_devices ({num_devices}) must be positive")
     return tokens_per_s * flops_per_token / (peak * num_devices)
+
+
+@dataclass
+class MFUMeter:
+    """A run's MFU basis: training FLOPs per token (None when nothing could count them) and the
+    device's peak FLOP/s, each with its source."""
+
+    flops_per_token: float | None
+    flops_source: str
+    peak: float
+    peak_source: str
+
+    @classmethod
+    def for_run(cls, model_config: Any, seq_len: int, device: torch.device, dtype: torch.dtype) -> MFUMeter:
+        return cls(*flops_per_token(model_config, seq_len), *peak_flops(device, dtype))
+
+    def describe(self) -> str:
+        if self.flops_per_token is None:
+            return f"WARNING: {self.flops_source}"
+        return f"training FLOPs per token: {self.flops_per_token:.4g} ({self.flops_source})"
+
+    def facts(self) -> dict:
+        """For the run config: both numbers and where they come from."""
+        return {
+            "flops_per_token": self.flops_per_token,
+            "flops_per_token_source": self.flops_source,
+            "peak_flops": self.peak,
+            "peak_flops_source": self.peak_source,
+        }
+
+    def metrics(self, tokens_per_s_per_device: float) -> dict:
+        """`perf/mfu`, or nothing when FLOPs per token are unknown."""
+        if self.flops_per_token is None:
+            return {}
+        return {"perf/mfu": mfu(tokens_per_s_per_device, self.flops_per_token, self.peak)}

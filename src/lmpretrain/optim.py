@@ -37,9 +37,9 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
     ]
 
 
-def describe_groups(groups: list[dict]) -> str:
+def describe_groups(optimizer: torch.optim.Optimizer) -> str:
     parts = []
-    for g in groups:
+    for g in optimizer.param_groups:
         n = sum(p.numel() for p in g["params"])
         parts.append(
             f"{g['name']}: {len(g['params'])} tensors, {n:,} params, weight_decay={g['weight_decay']}"

@@ -40,3 +40,17 @@ def bar(*, desc: str, unit: str, total: int | None = None, enabled: bool = True)
         mininterval=0.5,
         disable=not (enabled and bars_enabled()),
     )
+
+
+def step_bar(*, total: int, initial: int, enabled: bool) -> tqdm:
+    """The training loop's bar (optimizer steps), on the main process; shown under CI too: it is the
+    loop's heartbeat."""
+    return tqdm(
+        total=total,
+        initial=initial,
+        disable=not enabled,
+        desc="pretrain",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )

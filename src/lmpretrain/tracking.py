@@ -327,6 +327,26 @@ class Tracker:
 
             self._run_id = broadcast_object_list([self._run_id], from_process=0)[0]
 
+    @classmethod
+    def for_run(
+        cls, accelerator: Any, cfg: Any, *, facts: dict, run_id: str | None, resume_step: int | None
+    ) -> Tracker:
+        """The tracker of a recipe run: W&B project/mode from `cfg.logging`, name and group from the
+        config file and output dir; the run config is the whole config plus `facts` (what really
+        runs), the package versions and the git commit."""
+        out, recipe = Path(cfg.run.output_dir), Path(cfg.config_path or "run").stem
+        return cls(
+            accelerator,
+            output_dir=out,
+            project=cfg.logging.wandb_project,
+            mode=cfg.logging.wandb_mode,
+            run_name=cfg.run.name or f"{recipe}-{out.name}",
+            group=cfg.run.group or recipe,
+            run_config={**cfg.to_dict(), **facts, "packages": package_versions(), "git_commit": git_commit()},
+            run_id=run_id,
+            resume_step=resume_step,
+        )
+
     @property
     def run_id(self) -> str | None:
         """W&B run id to store in checkpoints (None when W&B is disabled)."""

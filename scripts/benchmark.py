@@ -22,6 +22,7 @@ ratios pair runs next to each other). The table gives medians, the spread and th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -144,20 +145,16 @@ def lean(config_path: str, overrides: list[str], steps: int, warmup: int) -> dic
     cfg = load_config([config_path, *overrides])
     threads = configure_threads(cfg.run.threads, 1)
     B, K, T = cfg.train.micro_batch_size, cfg.train.grad_accum_steps, cfg.data.seq_len
+    data = dataclasses.replace(cfg.data, num_workers=0)
     stream = TrainStream(
-        cfg.data.train,
+        data,
         load_tokenizer(cfg.data.tokenizer),
-        seq_len=T,
-        num_streams=cfg.data.num_streams,
-        rows_per_step=B * K,
+        blocks_per_step=B * K,
         rank=0,
         world_size=1,
-        num_workers=0,
         seed=cfg.run.seed,
-        shuffle=cfg.data.shuffle,
-        shuffle_window=cfg.data.shuffle_window,
     )
-    batches = [rows.input_ids for rows, _ in zip(stream, range(warmup + steps), strict=False)]
+    batches = [step.input_ids for step, _ in zip(stream, range(warmup + steps), strict=False)]
     stream.close()
     torch.manual_seed(cfg.run.seed)
     model = LeanLM(build_model_config(cfg.model))

@@ -138,7 +138,7 @@ sys.exit(0 if same else 1)
 EOF
 
 # 4. fp16 loss scaling on CUDA
-train fp16 "${SMALL[@]}" --train.max_steps=10 --train.precision=fp16 --train.loss_scale_init=1073741824
+train fp16 "${SMALL[@]}" --train.max_steps=20 --train.precision=fp16 --train.loss_scale_init=1073741824
 "$PY" - "$OUT/fp16" <<'EOF'
 import json, math, sys
 rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl") if '"train/loss"' in line]

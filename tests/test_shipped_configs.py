@@ -16,6 +16,7 @@ LAUNCH = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 EXPECTED_PARAMS = {  # order of magnitude each recipe promises in its name/comment
     "smoke": (1e5, 1e6),
     "default": (1e6, 1e7),
+    "wsd-masked": (1e6, 1e7),
     "gpt2-124m": (1.2e8, 1.3e8),
     "llama-1b": (1.0e9, 1.4e9),
 }

@@ -3,6 +3,7 @@ norms, final weights); what runs is printed; a kill -9 with everything on (plus 
 z-loss) resumes bit-identically, and 2 ranks with accumulation equal 1 rank; fused and foreach AdamW
 checkpoints load into each other; kernels that cannot run here are refused before any work."""
 
+import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -235,3 +236,26 @@ def test_gpu_check_script_passes_its_cpu_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "gpu_check: 8 commands have valid configs" in proc.stdout
     assert "gpu_check: shipped " in proc.stdout and "gpu_check: dry run passed" in proc.stdout
+
+
+def test_the_benchmark_lean_reference_has_the_recipe_models_size(stdlib_cache):
+    """scripts/benchmark.py's lean reference trains on the recipe's batches a model of the same shape
+    (same parameter count), so recipe / lean compares like with like."""
+    from lmpretrain.config import load_config
+    from lmpretrain.model import build_model, build_model_config, parameter_counts
+
+    proc = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "configs/smoke.yaml", "--lean", "--steps=2", "--warmup=1"],
+        cwd=rr.ROOT,
+        env=rr.env_for_runs(None),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lean = json.loads(proc.stdout.splitlines()[-1])
+    cfg = load_config([str(rr.ROOT / "configs" / "smoke.yaml")])
+    with torch.device("meta"):
+        model = build_model(build_model_config(cfg.model))
+    assert lean["params"] == parameter_counts(model)["params_total"]
+    assert lean["tokens_per_s"] > 0 and lean["peak_rss_bytes"] > 0

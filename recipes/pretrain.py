@@ -27,7 +27,7 @@ from lmpretrain.console import ConsoleWarnings, format_log_line
 from lmpretrain.data import TrainStream, heldout_blocks, merge_data_states
 from lmpretrain.distributed import check_replicas_identical
 from lmpretrain.errors import ConfigError, DataError, UserError
-from lmpretrain.evaluation import evaluate, generate_sample
+from lmpretrain.evaluation import Evaluator, generate_sample
 from lmpretrain.export import export_pretrained
 from lmpretrain.fingerprint import check_fingerprint, run_fingerprint
 from lmpretrain.flops import MFUMeter
@@ -104,12 +104,9 @@ def train(cfg, cleanup: ExitStack) -> None:
     )
     cleanup.callback(train_data.close)
     say(f"[lmpretrain] {train_data.describe()}")
-    eval_blocks = heldout_blocks(
-        cfg.data,
-        tokenizer,
-        num_blocks=cfg.eval.batches * cfg.eval.batch_size,
-        progress=accelerator.is_main_process,
-    )
+    eval_size = cfg.eval.batches * cfg.eval.batch_size  # blocks
+    held_out = heldout_blocks(cfg.data, tokenizer, num_blocks=eval_size, progress=accelerator.is_main_process)
+    evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator)
     fingerprint = run_fingerprint(cfg, W, train_data.fingerprint(), model_config)  # checked at resume
     meter = MFUMeter.for_run(
         model_config, cfg.data.seq_len, accelerator.device, precision.dtype or torch.float32
@@ -158,14 +155,7 @@ def train(cfg, cleanup: ExitStack) -> None:
         checkpointer.save(state.step, model=model, optimizer=optimizer, states=states, meta=meta)
 
     def run_eval():
-        metrics = evaluate(
-            model,
-            eval_blocks,
-            accelerator=accelerator,
-            precision=precision,
-            batch_size=cfg.eval.batch_size,
-            objective=objective,
-        )
+        metrics = evaluator(model)
         state.record_eval(metrics["eval/loss"])
         if cfg.eval.sample_tokens:  # every rank: a sharded model generates on all of them
             text = generate_sample(model, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens, accelerator)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,26 +25,34 @@ def rank_share(blocks: torch.Tensor, rank: int, world_size: int) -> tuple[torch.
     return share, labels
 
 
-@torch.no_grad()
-def evaluate(
-    model, blocks: torch.Tensor, *, accelerator, precision, batch_size: int, objective: LMObjective
-) -> dict:
-    """Mean next-token loss over all ranks' held-out blocks: sum of losses / sum of targets, through the
-    training objective's forward (same document masking and loss kernel), scored without smoothing or z-loss."""
-    objective = objective.held_out()
-    model.eval()
-    inputs, labels = rank_share(blocks, accelerator.process_index, accelerator.num_processes)
-    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    for start in range(0, len(inputs), batch_size):
-        x = inputs[start : start + batch_size].to(accelerator.device)
-        y = labels[start : start + batch_size].to(accelerator.device)
-        with precision.autocast():
-            total[0] += objective(model, x, y).ce.double()
-        total[1] += count_targets(y)
-    total = accelerator.reduce(total, reduction="sum")
-    model.train()
-    loss = (total[0] / total[1]).item()
-    return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
+@dataclass
+class Evaluator:
+    """A fixed held-out set and how it is scored: the training objective's forward (same document
+    masking and loss kernel) without label smoothing or z-loss, `batch_size` blocks at a time."""
+
+    blocks: torch.Tensor
+    objective: LMObjective
+    precision: Any
+    batch_size: int
+    accelerator: Any
+
+    @torch.no_grad()
+    def __call__(self, model) -> dict:
+        """Mean next-token loss over all ranks' blocks (sum of losses / sum of targets) and perplexity."""
+        acc, objective = self.accelerator, self.objective.held_out()
+        model.eval()
+        inputs, labels = rank_share(self.blocks, acc.process_index, acc.num_processes)
+        total = torch.zeros(2, dtype=torch.float64, device=acc.device)
+        for start in range(0, len(inputs), self.batch_size):
+            x = inputs[start : start + self.batch_size].to(acc.device)
+            y = labels[start : start + self.batch_size].to(acc.device)
+            with self.precision.autocast():
+                total[0] += objective(model, x, y).ce.double()
+            total[1] += count_targets(y)
+        total = acc.reduce(total, reduction="sum")
+        model.train()
+        loss = (total[0] / total[1]).item()
+        return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
 
 
 @torch.no_grad()

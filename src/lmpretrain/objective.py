@@ -1,6 +1,6 @@
 """One forward + loss for training and evaluation: document masking, the loss implementation, z-loss.
 
-The recipe's micro-batch loop and `evaluate` both call `objective(model, input_ids, labels)`, which
+The recipe's micro-batch loop and the `Evaluator` both call `objective(model, input_ids, labels)`, which
 returns token sums (`LossSums`), so every caller masks documents and computes the loss the same way
 and the recipe still normalises once by the global target count.
 

@@ -65,6 +65,17 @@ def stdlib_cache():
     return corpus.cache_root()
 
 
+# ---- tiny models ---------------------------------------------------------------------------------------------
+
+
+def one_layer_llama_config(vocab_size: int, **overrides):
+    """The smallest real Llama config the unit tests train (one layer, 16 wide)."""
+    from transformers import AutoConfig
+
+    shape = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    return AutoConfig.for_model("llama", vocab_size=vocab_size, **{**shape, **overrides})
+
+
 # ---- runs shared by several test modules -------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
+from conftest import one_layer_llama_config
+from transformers import AutoModelForCausalLM
 
 from lmpretrain.config import TrainConfig
 from lmpretrain.errors import ConfigError, TrainingDiverged
@@ -100,16 +101,7 @@ def test_spike_skipping_is_refused_under_deepspeed():
 
 def _tiny_model():
     torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "llama",
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=64,
-    )
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(one_layer_llama_config(64, num_key_value_heads=1))
 
 
 def _snapshot(model, opt):

@@ -10,12 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import one_layer_llama_config
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 import recipe_runner as rr
 from lmpretrain.config import OptimConfig
@@ -179,14 +180,7 @@ def test_fused_and_foreach_adamw_checkpoints_load_into_each_other():
     """Through torch.distributed.checkpoint's full state dicts (what checkpoints hold): the loaded
     optimizer keeps its own implementation and continues the same trajectory."""
     torch.set_num_threads(1)
-    config = AutoConfig.for_model(
-        "llama",
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        vocab_size=40,
-    )
+    config = one_layer_llama_config(40)
     ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
 
     def trained(fused: bool, steps: int, state=None):

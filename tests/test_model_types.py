@@ -78,6 +78,10 @@ def test_trains_exports_and_generates(runs, model_type):
     else:  # a metric never stops a run
         assert "WARNING: could not count training FLOPs per token, so perf/mfu is not logged (" in log
         assert not any("perf/mfu" in r for r in rows)
+    # the default kernel, sdpa, is eager where a model has no sdpa path (no attention at all here)
+    kernel = "eager (MambaForCausalLM has no sdpa path)" if model_type == "mamba" else "sdpa"
+    kernel = "eager (RwkvForCausalLM has no sdpa path)" if model_type == "rwkv" else kernel
+    assert f"[lmpretrain] attention: {kernel}\n" in log
 
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     tokenizer = AutoTokenizer.from_pretrained(out / "final")

@@ -50,7 +50,9 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     """Attention kernel passed to transformers: eager | sdpa | flash_attention_2 | flex_attention.
     A kernel that cannot run here (flash-attn missing, no CUDA, not bf16/fp16, model lacks it) is
-    refused before any work; the one that runs is logged ("[lmpretrain] attention: ...")."""
+    refused before any work, except sdpa, the default, which is eager for models without an sdpa path
+    (as transformers' own default; Mamba and RWKV have no attention); the one that runs is logged
+    ("[lmpretrain] attention: ...")."""
 
 
 @dataclass

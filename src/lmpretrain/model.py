@@ -6,7 +6,7 @@ import difflib
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from lmpretrain.errors import ConfigError
 
@@ -62,10 +62,14 @@ def build_model(config: PretrainedConfig, pretrained: str | None = None, dtype: 
     """Weights from `pretrained`, else a fresh init from the (seeded) global RNG.
 
     Parameters stay in `dtype` (fp32 master weights); autocast lowers only the compute. The attention
-    kernel is the config's (`model.attn_implementation`, checked by `speed.kernel_problems`).
+    kernel is the config's (`model.attn_implementation`, checked by `speed.kernel_problems`), except
+    that `sdpa` means eager for a model without an sdpa path (Mamba, RWKV: no attention at all).
     """
     dtype = getattr(torch, dtype)
     kernel = config._attn_implementation
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if kernel == "sdpa" and model_class is not None and not model_class._supports_sdpa:
+        kernel = "eager"  # the default asks for sdpa where there is one (transformers' own default)
     if pretrained:
         return AutoModelForCausalLM.from_pretrained(
             pretrained, config=config, dtype=dtype, attn_implementation=kernel

@@ -34,7 +34,9 @@ def kernel_problems(cfg, model_config) -> list[str]:
     kernel, kind = cfg.model.attn_implementation, model_config.model_type
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
     flag = _KERNEL_SUPPORT.get(kernel)
-    if model_class is not None and flag and not getattr(model_class, flag, False):
+    # sdpa, the default, falls back to eager where a model has no sdpa path (model.build_model), as
+    # transformers' own default does: models without attention (Mamba, RWKV) train with the defaults.
+    if model_class is not None and flag and kernel != "sdpa" and not getattr(model_class, flag, False):
         p.append(
             f"model.attn_implementation={kernel}: transformers' {model_class.__name__} does not implement it; "
             f"use {'sdpa' if getattr(model_class, '_supports_sdpa', False) else 'eager'}"
@@ -147,7 +149,10 @@ def prepare_model(model: nn.Module, objective: LMObjective, train_cfg, accelerat
                 "train.activation_checkpointing=true"
             ]
         )
-    lines = [f"attention: {model.config._attn_implementation}", objective.describe()]
+    kernel = model.config._attn_implementation
+    if kernel == "eager" and not getattr(model, "_supports_sdpa", False):
+        kernel += f" ({type(model).__name__} has no sdpa path)"
+    lines = [f"attention: {kernel}", objective.describe()]
     install_loss_forward(model)
     lines += check_objective(model, objective)
     if train_cfg.activation_checkpointing:

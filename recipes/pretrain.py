@@ -254,9 +254,10 @@ def train(cfg, cleanup: ExitStack) -> None:
 
         stop = preemption.should_stop(accelerator)
         checkpointer.poll()  # commits a background save once every rank has written it
-        if (
-            stop or final_step or (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
-        ):  # 8. checkpoint
+        # 8. checkpoint. Not periodically while updates are being skipped: a diverging run must not
+        # rotate its last good checkpoints out (keep_last) for copies of the weights it stalled on.
+        periodic = cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0 and not guard.consecutive
+        if stop or final_step or periodic:
             save_checkpoint()
         if stop:
             checkpointer.wait()

@@ -239,7 +239,7 @@ def recipe_peak_rss(path: Path, steps: int) -> dict:
 
     overrides = [f"--data.train=[{{files: [{path}]}}]", "--data.num_streams=8", "--eval.batches=1"]
     overrides.append("--logging.wandb_mode=disabled")
-    result = recipe(str(ROOT / "configs/smoke.yaml"), overrides, steps=steps, warmup=2)
+    result = recipe(str(ROOT / "configs/smoke.yaml"), overrides, switches={}, steps=steps, warmup=2)
     return {"peak_rss_mb": result["peak_rss_bytes"] / 2**20, "overrides": " ".join(overrides)}
 
 

@@ -58,18 +58,29 @@ def _refuse_unknown_overrides(config: PretrainedConfig, keys) -> None:
         raise ConfigError([f"unknown field(s) for a {config.model_type} config: {', '.join(named)}"])
 
 
+def causal_lm_class(config: PretrainedConfig) -> type | None:
+    """The transformers class AutoModelForCausalLM builds for `config` (None if it has none)."""
+    return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+
+
+def attention_kernel(config: PretrainedConfig) -> str:
+    """The attention kernel a model of `config` is built with: the configured one, except that sdpa
+    (the default) means eager for a class without an sdpa path (Mamba, RWKV: no attention at all), as
+    transformers' own default does."""
+    kernel, model_class = config._attn_implementation, causal_lm_class(config)
+    if kernel == "sdpa" and model_class is not None and not model_class._supports_sdpa:
+        return "eager"
+    return kernel
+
+
 def build_model(config: PretrainedConfig, pretrained: str | None = None, dtype: str = "float32") -> nn.Module:
     """Weights from `pretrained`, else a fresh init from the (seeded) global RNG.
 
     Parameters stay in `dtype` (fp32 master weights); autocast lowers only the compute. The attention
-    kernel is the config's (`model.attn_implementation`, checked by `speed.kernel_problems`), except
-    that `sdpa` means eager for a model without an sdpa path (Mamba, RWKV: no attention at all).
+    kernel is `attention_kernel(config)` (checked by `speed.kernel_problems`).
     """
     dtype = getattr(torch, dtype)
-    kernel = config._attn_implementation
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if kernel == "sdpa" and model_class is not None and not model_class._supports_sdpa:
-        kernel = "eager"  # the default asks for sdpa where there is one (transformers' own default)
+    kernel = attention_kernel(config)
     if pretrained:
         return AutoModelForCausalLM.from_pretrained(
             pretrained, config=config, dtype=dtype, attn_implementation=kernel

@@ -14,10 +14,10 @@ import inspect
 
 import torch
 from torch import nn
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import is_flash_attn_2_available
 
 from lmpretrain.errors import ConfigError
+from lmpretrain.model import attention_kernel, causal_lm_class
 from lmpretrain.objective import LMObjective, check_objective, install_loss_forward
 
 # What each kernel needs from the model class (transformers' own flags).
@@ -31,12 +31,10 @@ _KERNEL_SUPPORT = {
 def kernel_problems(cfg, model_config) -> list[str]:
     """Attention kernel and loss implementation that cannot run here (package, device, model class)."""
     p: list[str] = []
-    kernel, kind = cfg.model.attn_implementation, model_config.model_type
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
+    kernel, kind = attention_kernel(model_config), model_config.model_type  # the kernel the model gets
+    model_class = causal_lm_class(model_config)
     flag = _KERNEL_SUPPORT.get(kernel)
-    # sdpa, the default, falls back to eager where a model has no sdpa path (model.build_model), as
-    # transformers' own default does: models without attention (Mamba, RWKV) train with the defaults.
-    if model_class is not None and flag and kernel != "sdpa" and not getattr(model_class, flag, False):
+    if model_class is not None and flag and not getattr(model_class, flag, False):
         p.append(
             f"model.attn_implementation={kernel}: transformers' {model_class.__name__} does not implement it; "
             f"use {'sdpa' if getattr(model_class, '_supports_sdpa', False) else 'eager'}"

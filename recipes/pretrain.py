@@ -20,33 +20,52 @@ from pathlib import Path
 
 import torch
 
-from lmpretrain import runtime
-from lmpretrain.checkpoint import Checkpointer, PerRank, check_output_dir_writable
+from lmpretrain.checkpoint import Checkpointer, PerRank, check_output_dir_writable, export_pretrained
 from lmpretrain.config import config_problems, load_config, model_problems, save_config
-from lmpretrain.console import ConsoleWarnings, format_log_line
-from lmpretrain.data import TrainStream, heldout_blocks, merge_data_states
-from lmpretrain.distributed import check_replicas_identical
+from lmpretrain.data import TrainStream, heldout_blocks, load_tokenizer, merge_data_states
 from lmpretrain.errors import ConfigError, DataError, UserError
-from lmpretrain.evaluation import Evaluator, generate_sample
-from lmpretrain.export import export_pretrained
-from lmpretrain.fingerprint import check_fingerprint, run_fingerprint
-from lmpretrain.flops import MFUMeter
-from lmpretrain.guard import UpdateGuard
 from lmpretrain.launch import report_user_error
-from lmpretrain.loss import count_targets, make_labels
-from lmpretrain.model import build_model, build_model_config, parameter_counts
-from lmpretrain.objective import LMObjective
-from lmpretrain.optim import apply_hyperparameters, build_optimizer, describe_groups, describe_implementation
-from lmpretrain.precision import MixedPrecision
-from lmpretrain.preemption import PreemptionHandler
-from lmpretrain.progress import step_bar
-from lmpretrain.rng import LoopRNG
-from lmpretrain.runlock import run_lock
-from lmpretrain.schedule import hyperparameter_changes, learning_rate, set_lr
-from lmpretrain.speed import compile_seconds, prepare_model
-from lmpretrain.state import TrainState
-from lmpretrain.tokenizer import load_tokenizer
-from lmpretrain.tracking import Tracker, wandb_log_with
+from lmpretrain.model import (
+    LMObjective,
+    MixedPrecision,
+    build_model,
+    build_model_config,
+    compile_seconds,
+    count_targets,
+    make_labels,
+    parameter_counts,
+    prepare_model,
+)
+from lmpretrain.observe import (
+    ConsoleWarnings,
+    Evaluator,
+    MFUMeter,
+    Tracker,
+    format_log_line,
+    generate_sample,
+    step_bar,
+    wandb_log_with,
+)
+from lmpretrain.run import (
+    LoopRNG,
+    PreemptionHandler,
+    TrainState,
+    check_fingerprint,
+    check_replicas_identical,
+    run_fingerprint,
+    run_lock,
+    runtime,
+)
+from lmpretrain.update import (
+    UpdateGuard,
+    apply_hyperparameters,
+    build_optimizer,
+    describe_groups,
+    describe_implementation,
+    hyperparameter_changes,
+    learning_rate,
+    set_lr,
+)
 
 
 def main(argv: list[str]) -> None:

@@ -40,9 +40,9 @@ from torch import nn
 
 from lmpretrain.config import load_config
 from lmpretrain.data import TrainStream
-from lmpretrain.model import build_model_config
-from lmpretrain.runtime import configure_threads
-from lmpretrain.tokenizer import load_tokenizer
+from lmpretrain.data.tokenizer import load_tokenizer
+from lmpretrain.model.build import build_model_config
+from lmpretrain.run.runtime import configure_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 # No dropout, like the lean reference (GPT-2's default is 0.1).

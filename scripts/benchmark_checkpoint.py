@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from accelerate.utils import gather_object
 
-from lmpretrain.checkpoint import Checkpointer
+from lmpretrain.checkpoint.checkpointer import Checkpointer
 from lmpretrain.config import ModelConfig, TrainConfig
-from lmpretrain.model import build_model, build_model_config
-from lmpretrain.runtime import exit_process, setup
+from lmpretrain.model.build import build_model, build_model_config
+from lmpretrain.run.runtime import exit_process, setup
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

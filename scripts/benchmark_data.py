@@ -44,7 +44,7 @@ WORDS = (
 def _stream(sources=None, workers=0, streams=STREAMS):
     from lmpretrain.config import DataConfig
     from lmpretrain.data import SourceSpec, TrainStream
-    from lmpretrain.tokenizer import load_tokenizer
+    from lmpretrain.data.tokenizer import load_tokenizer
 
     data = DataConfig(seq_len=SEQ_LEN, num_streams=streams, num_workers=workers)
     if sources:
@@ -306,9 +306,9 @@ def child_mixing(steps: int) -> dict:
     import numpy as np
 
     from lmpretrain.config import load_config
-    from lmpretrain.corpus import ensure_stdlib_corpus
     from lmpretrain.data import TrainStream
-    from lmpretrain.tokenizer import load_tokenizer
+    from lmpretrain.data.corpus import ensure_stdlib_corpus
+    from lmpretrain.data.tokenizer import load_tokenizer
 
     cfg = load_config([str(ROOT / "configs/default.yaml")])
     tok = load_tokenizer(cfg.data.tokenizer)

@@ -100,7 +100,7 @@ if ((DRY)); then
 fi
 
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "gpu_check: no CUDA device (use --dry-run on a CPU)")'
-"$PY" -c 'from lmpretrain.tokenizer import ensure_builtin_tokenizer; ensure_builtin_tokenizer()'  # corpus + tokenizer, once
+"$PY" -c 'from lmpretrain.data.tokenizer import ensure_builtin_tokenizer; ensure_builtin_tokenizer()'  # corpus + tokenizer, once
 
 for variant in "${VARIANTS[@]}"; do  # 1-2: tokens/s, MFU, memory with the shipped switches and each flipped
   IFS='|' read -r name flags <<<"$variant"
@@ -153,7 +153,7 @@ EOF
 "$PY" - <<'EOF'
 import importlib.util, torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from lmpretrain.objective import LMObjective, check_objective, install_loss_forward
+from lmpretrain.model.objective import LMObjective, check_objective, install_loss_forward
 if importlib.util.find_spec("flash_attn") is None:
     print("gpu_check: flash-attn is not installed: flash-attention document masking not checked")
 else:

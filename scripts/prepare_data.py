@@ -19,8 +19,8 @@ from pathlib import Path
 from lmpretrain.data import SourceSpec
 from lmpretrain.data.prepare import pretokenize
 from lmpretrain.data.sources import TOKENS_META
+from lmpretrain.data.tokenizer import load_tokenizer
 from lmpretrain.errors import UserError
-from lmpretrain.tokenizer import load_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 from lmpretrain.data import SourceSpec, open_source
 from lmpretrain.data.readers import Unit
+from lmpretrain.data.tokenizer import train_bpe
 from lmpretrain.errors import UserError
-from lmpretrain.progress import announce
-from lmpretrain.tokenizer import train_bpe
+from lmpretrain.observe.progress import announce
 
 
 def texts_of(spec: SourceSpec, max_docs: int | None) -> Iterator[str]:

@@ -46,7 +46,7 @@ def write_jsonl_shards(
 @pytest.fixture(scope="session")
 def small_tokenizer(tmp_path_factory):
     """A real byte-level BPE (vocab 320) trained once per session on text like the tiny corpora."""
-    from lmpretrain.tokenizer import train_bpe
+    from lmpretrain.data.tokenizer import train_bpe
 
     rng = random.Random(123)
     texts = [make_doc(f"shard{i % 7}.{i}", rng) for i in range(400)]
@@ -57,8 +57,8 @@ def small_tokenizer(tmp_path_factory):
 def stdlib_cache():
     """The default corpus and builtin tokenizer in the normal cache, built once (the recipe runs in the
     end-to-end tests use the same cache, so the suite builds them once)."""
-    from lmpretrain import corpus
-    from lmpretrain.tokenizer import ensure_builtin_tokenizer
+    from lmpretrain.data import corpus
+    from lmpretrain.data.tokenizer import ensure_builtin_tokenizer
 
     corpus.ensure_stdlib_corpus()
     ensure_builtin_tokenizer()

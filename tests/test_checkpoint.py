@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lmpretrain.checkpoint import (
+from lmpretrain.checkpoint.checkpointer import (
     MARKER_FILE,
     Checkpointer,
     CheckpointError,
@@ -25,9 +25,9 @@ from lmpretrain.checkpoint import (
     checkpoint_problem,
 )
 from lmpretrain.errors import CheckpointMismatchError
-from lmpretrain.fingerprint import check_fingerprint
-from lmpretrain.rng import LoopRNG, capture_rng_state, restore_rng_state
-from lmpretrain.state import TrainState
+from lmpretrain.run.fingerprint import check_fingerprint
+from lmpretrain.run.rng import LoopRNG, capture_rng_state, restore_rng_state
+from lmpretrain.run.train_state import TrainState
 from recipe_runner import launch_two_ranks
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -305,7 +305,7 @@ def test_directory_without_marker_is_ignored(tmp_path, caplog):
     first = save_simple(ck, 1)
     second = save_simple(ck, 2)
     (second / MARKER_FILE).unlink()
-    with caplog.at_level(logging.WARNING, logger="lmpretrain.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="lmpretrain.checkpoint.checkpointer"):
         assert ck.latest() == first
     assert "step-00000002" in caplog.text and "no COMPLETE marker" in caplog.text
     with pytest.raises(CheckpointError, match="no COMPLETE marker"):
@@ -323,7 +323,7 @@ def test_truncated_newest_checkpoint_falls_back_to_previous_with_warning(tmp_pat
     ck.save(2, model=model, optimizer=optimizer, states={"train": Box(2)})
     damaged = tmp_path / "checkpoints" / "step-00000002" / victim
     damaged.write_bytes(damaged.read_bytes()[:100])
-    with caplog.at_level(logging.WARNING, logger="lmpretrain.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="lmpretrain.checkpoint.checkpointer"):
         assert ck.latest() == first
     assert (
         "ignoring checkpoint" in caplog.text and "step-00000002" in caplog.text and "truncated" in caplog.text
@@ -396,7 +396,7 @@ def test_async_save_writes_the_state_of_the_step_it_was_called_at(tmp_path):
 # (async) while the background thread writes the weights and the training loop has moved on.
 CRASH_CHILD = textwrap.dedent("""
     import os, sys, time, torch
-    from lmpretrain.checkpoint import Checkpointer
+    from lmpretrain.checkpoint.checkpointer import Checkpointer
 
     out, where = sys.argv[1], sys.argv[2]
     model = torch.nn.Linear(4, 4)
@@ -479,8 +479,8 @@ EXPORT_CHILD = textwrap.dedent("""
     import sys, time, torch
     from accelerate import Accelerator
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from lmpretrain.export import export_pretrained
-    from lmpretrain.tokenizer import load_tokenizer
+    from lmpretrain.checkpoint.export import export_pretrained
+    from lmpretrain.data.tokenizer import load_tokenizer
 
     out = sys.argv[1]
     accelerator = Accelerator(cpu=True)
@@ -634,9 +634,9 @@ RANK_WORKER = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from lmpretrain.checkpoint import Checkpointer, PerRank
+    from lmpretrain.checkpoint.checkpointer import Checkpointer, PerRank
     from lmpretrain.errors import CheckpointError
-    from lmpretrain.rng import LoopRNG
+    from lmpretrain.run.rng import LoopRNG
 
     out = sys.argv[1]
     state = PartialState(cpu=True)

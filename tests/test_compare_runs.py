@@ -20,7 +20,7 @@ from lmpretrain.analysis.runs import (
     load_runs,
     summarize,
 )
-from lmpretrain.tracking import Tracker, wandb_log_with
+from lmpretrain.observe.tracking import Tracker, wandb_log_with
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "compare_runs.py"

@@ -6,7 +6,7 @@ import pytest
 
 from lmpretrain.config import config_problems, load_config, model_problems, parse_overrides
 from lmpretrain.errors import ConfigError
-from lmpretrain.model import build_model_config
+from lmpretrain.model.build import build_model_config
 
 
 def write(tmp_path, text):

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lmpretrain.corpus import BUILTIN_DATASETS, ensure_stdlib_corpus, is_validation
 from lmpretrain.data import SourceSpec, open_source
+from lmpretrain.data.corpus import BUILTIN_DATASETS, ensure_stdlib_corpus, is_validation
 
 
 def _paths(files) -> list[str]:
@@ -44,7 +44,7 @@ def test_split_is_by_file_without_overlap(stdlib_cache):
 
 def test_concurrent_builds_happen_once(tmp_path):
     code = (
-        "import json, sys; from lmpretrain import corpus; p = corpus.ensure_stdlib_corpus(max_files=150); "
+        "import json, sys; from lmpretrain.data import corpus; p = corpus.ensure_stdlib_corpus(max_files=150); "
         "print(json.dumps({'path': str(p), 'builds': corpus.BUILDS}))"
     )
     env = {**os.environ, "LMPRETRAIN_CACHE": str(tmp_path)}

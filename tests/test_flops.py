@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from lmpretrain.flops import (
+from lmpretrain.observe.flops import (
     counted_flops_per_token,
     flops_per_token,
     gpu_table_key,

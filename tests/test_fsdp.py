@@ -195,7 +195,7 @@ FP16_WORKER = textwrap.dedent("""
     import torch
     from accelerate import PartialState
     from torch.distributed.fsdp import fully_shard
-    from lmpretrain.precision import MixedPrecision
+    from lmpretrain.model.precision import MixedPrecision
 
     state = PartialState(cpu=True)
     rank = state.process_index

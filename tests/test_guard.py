@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from lmpretrain.config import TrainConfig
 from lmpretrain.errors import ConfigError, TrainingDiverged
-from lmpretrain.guard import NONFINITE, OVERFLOW, SPIKE, LossWindow, UpdateGuard
-from lmpretrain.precision import MixedPrecision
+from lmpretrain.model.precision import MixedPrecision
+from lmpretrain.update.guard import NONFINITE, OVERFLOW, SPIKE, LossWindow, UpdateGuard
 
 NAN, INF = float("nan"), float("inf")
 

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lmpretrain.loss import IGNORE_INDEX, causal_lm_loss_sum, count_targets, make_labels
-from lmpretrain.precision import MixedPrecision
+from lmpretrain.model.loss import IGNORE_INDEX, causal_lm_loss_sum, count_targets, make_labels
+from lmpretrain.model.precision import MixedPrecision
 
 VOCAB = 96
 

@@ -10,10 +10,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lmpretrain.config import Config
 from lmpretrain.errors import ConfigError
-from lmpretrain.loss import IGNORE_INDEX, chunked_loss_sums, logits_loss_sums
-from lmpretrain.model import build_model_config
-from lmpretrain.objective import LMObjective, check_objective, document_positions, install_loss_forward
-from lmpretrain.speed import enable_activation_checkpointing, kernel_problems, prepare_model
+from lmpretrain.model.build import build_model_config
+from lmpretrain.model.loss import IGNORE_INDEX, chunked_loss_sums, logits_loss_sums
+from lmpretrain.model.objective import LMObjective, check_objective, document_positions, install_loss_forward
+from lmpretrain.model.speed import enable_activation_checkpointing, kernel_problems, prepare_model
 
 EOS = 3
 VOCAB = 64

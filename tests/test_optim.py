@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lmpretrain.config import OptimConfig
-from lmpretrain.optim import apply_hyperparameters, build_optimizer, param_groups
+from lmpretrain.update.optim import apply_hyperparameters, build_optimizer, param_groups
 
 
 def tiny(model_type, **kw):

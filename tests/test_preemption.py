@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from accelerate import PartialState
 
-from lmpretrain.checkpoint import Checkpointer, checkpoint_problem
-from lmpretrain.preemption import PreemptionHandler
+from lmpretrain.checkpoint.checkpointer import Checkpointer, checkpoint_problem
+from lmpretrain.run.preemption import PreemptionHandler
 from recipe_runner import launch_two_ranks
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -25,8 +25,8 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 # asks for blocks half way through writing, so the test can send the second signal during it.
 LOOP_CHILD = textwrap.dedent("""
     import sys, time, torch
-    from lmpretrain.checkpoint import Checkpointer
-    from lmpretrain.preemption import PreemptionHandler
+    from lmpretrain.checkpoint.checkpointer import Checkpointer
+    from lmpretrain.run.preemption import PreemptionHandler
 
     out, mode = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
@@ -163,7 +163,7 @@ def test_handler_outside_the_main_thread_is_refused():
 RANK_WORKER = textwrap.dedent("""
     import os, signal, sys, time
     from accelerate import PartialState
-    from lmpretrain.preemption import PreemptionHandler
+    from lmpretrain.run.preemption import PreemptionHandler
 
     state = PartialState(cpu=True)
     assert state.num_processes == 2
@@ -231,7 +231,7 @@ def test_the_launcher_kills_ranks_its_grace_period_after_forwarding_sigterm(tmp_
 
 
 def test_grace_reads_torch_elastic_shutdown_timeout(monkeypatch):
-    from lmpretrain.preemption import launcher_grace_s
+    from lmpretrain.run.preemption import launcher_grace_s
 
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     assert launcher_grace_s() == 30
@@ -245,7 +245,7 @@ def test_ranks_stop_when_their_launcher_dies_and_a_second_live_run_is_refused(tm
     import psutil
 
     import recipe_runner as rr
-    from lmpretrain.checkpoint import Checkpointer
+    from lmpretrain.checkpoint.checkpointer import Checkpointer
 
     out = tmp_path / "run"
     base = [*rr.QUICK, "--checkpoint.every=0", "--eval.every=0", "--optim.warmup_steps=1"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lmpretrain import progress
+from lmpretrain.observe import progress
 
 
 def draw(n: int = 3) -> None:

@@ -13,9 +13,9 @@ import recipe_runner as rr
 from lmpretrain.analysis.wandb_offline import find_offline_runs, read_offline_run
 from lmpretrain.config import load_config
 from lmpretrain.data import TrainStream
-from lmpretrain.model import build_model_config
-from lmpretrain.schedule import lr_factor
-from lmpretrain.tokenizer import load_tokenizer
+from lmpretrain.data.tokenizer import load_tokenizer
+from lmpretrain.model.build import build_model_config
+from lmpretrain.update.schedule import lr_factor
 
 TRAIN_KEYS = {
     "train/loss",

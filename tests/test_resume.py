@@ -9,7 +9,7 @@ import torch
 
 import recipe_runner as rr
 from lmpretrain.analysis.wandb_offline import find_offline_runs, read_offline_run
-from lmpretrain.checkpoint import Checkpointer
+from lmpretrain.checkpoint.checkpointer import Checkpointer
 
 # 2 ranks x micro-batch 4 x accumulation 2, 2 workers per rank, dropout on (so RNG state matters).
 DDP_RUN = [

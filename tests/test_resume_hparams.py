@@ -13,7 +13,7 @@ import torch
 
 import recipe_runner as rr
 from lmpretrain.config import load_config
-from lmpretrain.schedule import learning_rate
+from lmpretrain.update.schedule import learning_rate
 
 BASE = [
     *rr.QUICK,

@@ -13,7 +13,7 @@ from transformers import (
 )
 
 from lmpretrain.config import Config, OptimConfig, TrainConfig
-from lmpretrain.schedule import hyperparameter_changes, learning_rate, set_lr, wsd_decay_start
+from lmpretrain.update.schedule import hyperparameter_changes, learning_rate, set_lr, wsd_decay_start
 
 PEAK, FLOOR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 100
 

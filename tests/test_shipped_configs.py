@@ -7,8 +7,8 @@ import torch
 import yaml
 
 from lmpretrain.config import config_problems, load_config
-from lmpretrain.flops import train_flops_per_token
-from lmpretrain.model import build_model, build_model_config, parameter_counts
+from lmpretrain.model.build import build_model, build_model_config, parameter_counts
+from lmpretrain.observe.flops import train_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING = sorted((ROOT / "configs").glob("*.yaml"))

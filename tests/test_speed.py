@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import recipe_runner as rr
 from lmpretrain.config import OptimConfig
-from lmpretrain.optim import build_optimizer
+from lmpretrain.update.optim import build_optimizer
 
 # float64 so that a real difference is not hidden by fp32 summation noise (which Adam amplifies to
 # ~1e-5 in 10 steps); one thread so a busy machine does not stall the ranks' OpenMP barriers.
@@ -236,7 +236,7 @@ def test_the_benchmark_lean_reference_has_the_recipe_models_size(stdlib_cache):
     """scripts/benchmark.py's lean reference trains on the recipe's batches a model of the same shape
     (same parameter count), so recipe / lean compares like with like."""
     from lmpretrain.config import load_config
-    from lmpretrain.model import build_model, build_model_config, parameter_counts
+    from lmpretrain.model.build import build_model, build_model_config, parameter_counts
 
     proc = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "configs/smoke.yaml", "--lean", "--steps=2", "--warmup=1"],

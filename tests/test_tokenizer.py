@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from lmpretrain.data.tokenizer import load_tokenizer, tokenizer_hash, train_bpe
 from lmpretrain.errors import TokenizerError
-from lmpretrain.tokenizer import load_tokenizer, tokenizer_hash, train_bpe
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "train_tokenizer.py")
 TEXT = "def add(a, b):\n    return a + b  # sum, naïve ünïcode ✓\n"
@@ -50,7 +50,7 @@ def test_load_tokenizer_errors_name_the_spec(tmp_path, small_tokenizer):
     with pytest.raises(TokenizerError, match="has no EOS token"):
         load_tokenizer(str(tmp_path / "no_eos"))
     code = (
-        "from lmpretrain.tokenizer import load_tokenizer\ntry:\n    load_tokenizer('no-such-org/no-such-tok')\n"
+        "from lmpretrain.data.tokenizer import load_tokenizer\ntry:\n    load_tokenizer('no-such-org/no-such-tok')\n"
         "except Exception as e:\n    print(e)\n"
     )
     out = subprocess.run(

@@ -23,9 +23,8 @@ from lmpretrain.analysis.wandb_offline import (
     read_offline_run,
     run_file,
 )
-from lmpretrain.console import ConsoleWarnings, format_log_line
-from lmpretrain.guard import NONFINITE, OVERFLOW, SPIKE
-from lmpretrain.tracking import (
+from lmpretrain.observe.console import ConsoleWarnings, format_log_line
+from lmpretrain.observe.tracking import (
     REDACTED,
     SAMPLES_TABLE_KEY,
     Tracker,
@@ -39,6 +38,7 @@ from lmpretrain.tracking import (
     scrub_secrets,
     wandb_log_with,
 )
+from lmpretrain.update.guard import NONFINITE, OVERFLOW, SPIKE
 
 WANDB_CLI = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "wandb"
 

@@ -459,6 +459,6 @@ def model_problems(cfg: Config, model_config, tokenizer) -> list[str]:
             "model.overrides.output_router_logits=true asks for the router's load-balancing loss, which the "
             "recipe's loss (the language-model loss only) would silently leave out; set it to false"
         )
-    from lmpretrain.speed import kernel_problems  # here: it loads transformers' model registry
+    from lmpretrain.model.speed import kernel_problems  # here: it loads transformers' model registry
 
     return p + kernel_problems(cfg, model_config)

@@ -1,6 +1,6 @@
 """Compare finished runs locally: summary table, config diff, loss plots, curve closeness.
 
-A run directory holds ``metrics.jsonl`` (written by :class:`lmpretrain.tracking.Tracker`),
+A run directory holds ``metrics.jsonl`` (written by :class:`lmpretrain.observe.tracking.Tracker`),
 ``config.yaml`` (the resolved config, nested sections) and, unless W&B was disabled, ``wandb/``.
 ``scripts/compare_runs.py`` is the command-line front end.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lmpretrain.analysis.wandb_offline import read_offline_history
-from lmpretrain.tracking import read_jsonl
+from lmpretrain.observe.tracking import read_jsonl
 
 LOSS_KEY = "train/loss"
 EVAL_KEY = "eval/loss"

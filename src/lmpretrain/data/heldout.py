@@ -14,7 +14,7 @@ from lmpretrain.data.cursor import SourceCursor
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.sources import open_sources
 from lmpretrain.errors import DataError
-from lmpretrain.progress import bar
+from lmpretrain.observe.progress import bar
 
 if TYPE_CHECKING:
     from lmpretrain.config import DataConfig

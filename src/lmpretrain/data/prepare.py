@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.readers import Bad
 from lmpretrain.data.sources import TOKENS_FIELD, TOKENS_META, SourceSpec, open_source
-from lmpretrain.progress import announce, bar
+from lmpretrain.observe.progress import announce, bar
 
 _SCHEMA = pa.schema(
     [(TOKENS_FIELD, pa.list_(pa.int32())), ("doc_start", pa.bool_()), ("doc_end", pa.bool_())]
@@ -32,7 +32,7 @@ def pretokenize(
 ) -> list[str]:
     """Write `tokens-XXXXX-of-NNNNN.parquet` (columns input_ids, doc_start, doc_end) plus `tokens_meta.json`;
     returns the shards. Draws a progress bar (main process, not under CI)."""
-    from lmpretrain.tokenizer import tokenizer_hash
+    from lmpretrain.data.tokenizer import tokenizer_hash
 
     source = open_source(spec)
     encoder = Encoder(tokenizer, add_bos=False)  # BOS/EOS are added when streaming

@@ -261,7 +261,7 @@ def open_source(spec: SourceSpec | dict) -> Source:
     if spec.hub:
         return _open_hub(spec)
     if spec.name:
-        from lmpretrain.corpus import BUILTIN_DATASETS
+        from lmpretrain.data.corpus import BUILTIN_DATASETS
 
         if spec.name not in BUILTIN_DATASETS:
             raise DataError(f"unknown builtin dataset {spec.name!r}; available: {sorted(BUILTIN_DATASETS)}")
@@ -284,7 +284,7 @@ def open_source(spec: SourceSpec | dict) -> Source:
 def _open_hub(spec: SourceSpec) -> Source:
     from datasets import load_dataset  # heavy import, only where a Hub stream is really opened
 
-    from lmpretrain.progress import announce
+    from lmpretrain.observe.progress import announce
 
     announce(f"opening Hub dataset {spec.hub} (resolving its files over the network)")
     try:
@@ -378,7 +378,7 @@ def open_sources(specs: list[SourceSpec | dict], tokenizer) -> list[Source]:
     for src in opened:
         meta = read_tokens_meta(src) if src.tokens else None
         if meta is not None:
-            from lmpretrain.tokenizer import tokenizer_hash
+            from lmpretrain.data.tokenizer import tokenizer_hash
 
             if meta.get("tokenizer_hash") != tokenizer_hash(tokenizer):
                 raise DataError(

@@ -301,7 +301,7 @@ class TrainStream:
 
     def fingerprint(self) -> dict:
         """What the stream depends on. world_size and num_workers are informational: resuming across them is exact."""
-        from lmpretrain.tokenizer import tokenizer_hash
+        from lmpretrain.data.tokenizer import tokenizer_hash
 
         s = self.settings
         return {

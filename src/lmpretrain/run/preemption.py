@@ -16,7 +16,7 @@ import time
 
 import psutil
 
-from lmpretrain.distributed import any_rank
+from lmpretrain.run.distributed import any_rank
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Parent command lines that mean "a launcher that owns this process" (not a shell or a scheduler).

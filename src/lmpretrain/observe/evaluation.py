@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from lmpretrain.loss import IGNORE_INDEX, count_targets
-from lmpretrain.objective import LMObjective
+from lmpretrain.model.loss import IGNORE_INDEX, count_targets
+from lmpretrain.model.objective import LMObjective
 
 
 def rank_share(blocks: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +60,7 @@ def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, accelera
     """Greedy continuation of ``prompt`` (no RNG consumed, so sampling never changes the training
     trajectory): the text on the main process, None elsewhere. Every rank must call it: a sharded
     model's forward gathers parameters from all ranks, so all of them generate, in lockstep."""
-    from lmpretrain.runtime import is_sharded
+    from lmpretrain.run.runtime import is_sharded
 
     sharded = is_sharded(model)
     if not (sharded or accelerator.is_main_process):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from lmpretrain.checkpoint import fsync_path, fsync_tree
-from lmpretrain.distributed import broadcast_int
+from lmpretrain.checkpoint.checkpointer import fsync_path, fsync_tree
+from lmpretrain.run.distributed import broadcast_int
 
 
 def _tied_aliases(model) -> set[str]:

@@ -17,8 +17,8 @@ from torch import nn
 from transformers.utils import is_flash_attn_2_available
 
 from lmpretrain.errors import ConfigError
-from lmpretrain.model import attention_kernel, causal_lm_class
-from lmpretrain.objective import LMObjective, check_objective, install_loss_forward
+from lmpretrain.model.build import attention_kernel, causal_lm_class
+from lmpretrain.model.objective import LMObjective, check_objective, install_loss_forward
 
 # What each kernel needs from the model class (transformers' own flags).
 _KERNEL_SUPPORT = {

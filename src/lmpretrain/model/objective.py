@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from lmpretrain.errors import ConfigError
-from lmpretrain.loss import (
+from lmpretrain.model.loss import (
     IGNORE_INDEX,
     LossSums,
     chunked_loss_sums,

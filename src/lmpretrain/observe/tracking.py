@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from lmpretrain.console import as_scalar
+from lmpretrain.observe.console import as_scalar
 
 logger = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ class Tracker:
         ):
             raise ValueError(
                 "W&B mode is not 'disabled' but the Accelerator was built without W&B: create it with "
-                "Accelerator(log_with=lmpretrain.tracking.wandb_log_with(mode))"
+                "Accelerator(log_with=lmpretrain.observe.tracking.wandb_log_with(mode))"
             )
         init = {"dir": str(self.output_dir), "mode": self.mode, "name": run_name, "group": group}
         if run_id is not None:

@@ -15,8 +15,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from lmpretrain.distributed import broadcast_int
 from lmpretrain.errors import OutputDirInUseError
+from lmpretrain.run.distributed import broadcast_int
 
 LOCK_FILE = ".lock"
 

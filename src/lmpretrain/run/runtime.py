@@ -34,7 +34,7 @@ from accelerate.utils import (
 from torch.nn.parallel import DistributedDataParallel
 
 from lmpretrain.errors import LaunchError
-from lmpretrain.preemption import watch_launcher
+from lmpretrain.run.preemption import watch_launcher
 
 # The DeepSpeed ZeRO stages this recipe runs: parameters stay whole on every rank, so checkpoints and
 # exports read them directly. Stage 3 shards parameters too; use FSDP (configs/accelerate/fsdp.yaml) for that.

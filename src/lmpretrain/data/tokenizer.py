@@ -11,9 +11,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from lmpretrain.corpus import CORPUS_VERSION, build_once, cache_root, ensure_stdlib_corpus, python_tag
+from lmpretrain.data.corpus import CORPUS_VERSION, build_once, cache_root, ensure_stdlib_corpus, python_tag
 from lmpretrain.errors import TokenizerError
-from lmpretrain.progress import announce, bars_enabled
+from lmpretrain.observe.progress import announce, bars_enabled
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 BUILTIN_PREFIX = "builtin:"

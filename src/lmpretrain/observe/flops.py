@@ -79,7 +79,7 @@ def matmul_params_per_token(model_config: Any) -> tuple[int, int, int]:
         return n_layers * (attention + mlp) + d * vocab, n_layers, d_q
     raise ValueError(
         f"cannot count FLOPs for model_type {model_type!r}: supported are 'gpt2' and the Llama-style "
-        f"{list(_LLAMA_STYLE)}. Add it to lmpretrain.flops.matmul_params_per_token, or count its "
+        f"{list(_LLAMA_STYLE)}. Add it to lmpretrain.observe.flops.matmul_params_per_token, or count its "
         "matmul weights yourself and call flops_per_token_from_counts()."
     )
 

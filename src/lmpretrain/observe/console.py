@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lmpretrain.guard import NONFINITE, OVERFLOW, SPIKE, LossWindow
+from lmpretrain.update.guard import NONFINITE, OVERFLOW, SPIKE, LossWindow
 
 
 def as_scalar(value: Any) -> Any:
@@ -42,7 +42,7 @@ class ConsoleWarnings:
             self.printer(f"warning: {message} (said once)")
 
     def observe(self, step: int, loss: float, clipped: bool = False, skipped: str | None = None) -> None:
-        """Feed one optimizer step (`skipped`: why its update was skipped, see lmpretrain.guard); prints
+        """Feed one optimizer step (`skipped`: why its update was skipped, see lmpretrain.update.guard); prints
         each kind of warning the first time it happens."""
         loss = float(loss)
         self._clipped_run = self._clipped_run + 1 if clipped else 0

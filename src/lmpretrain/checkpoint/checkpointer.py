@@ -57,7 +57,7 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-from lmpretrain.checkpoint_formats import (
+from lmpretrain.checkpoint.formats import (
     DeepSpeedFiles,
     Files,
     FullFiles,
@@ -68,9 +68,9 @@ from lmpretrain.checkpoint_formats import (
     manifest_problem,
     torch_save_synced,
 )
-from lmpretrain.distributed import any_rank, broadcast_int
 from lmpretrain.errors import CheckpointError, ConfigError
-from lmpretrain.preemption import launcher_grace_s
+from lmpretrain.run.distributed import any_rank, broadcast_int
+from lmpretrain.run.preemption import launcher_grace_s
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,6 @@
+"""Saving and resuming: atomic checkpoints (full, sharded, async), their formats, the final export."""
+
+from lmpretrain.checkpoint.checkpointer import Checkpointer, PerRank, check_output_dir_writable
+from lmpretrain.checkpoint.export import export_pretrained
+
+__all__ = ["Checkpointer", "PerRank", "check_output_dir_writable", "export_pretrained"]

@@ -1,0 +1,12 @@
+"""Processes and the run around the loop: accelerate set-up, ranks, signals, the run lock, RNG, step
+counters, the resume fingerprint."""
+
+from lmpretrain.run import runtime
+from lmpretrain.run.distributed import check_replicas_identical
+from lmpretrain.run.fingerprint import check_fingerprint, run_fingerprint
+from lmpretrain.run.preemption import PreemptionHandler
+from lmpretrain.run.rng import LoopRNG
+from lmpretrain.run.runlock import run_lock
+from lmpretrain.run.train_state import TrainState
+
+__all__ = ["LoopRNG", "PreemptionHandler", "TrainState", "check_fingerprint", "check_replicas_identical", "run_fingerprint", "run_lock", "runtime"]

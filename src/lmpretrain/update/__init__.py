@@ -1,0 +1,12 @@
+"""How weights change: the optimizer, the learning-rate schedule, the guard that skips bad updates."""
+
+from lmpretrain.update.guard import UpdateGuard
+from lmpretrain.update.optim import (
+    apply_hyperparameters,
+    build_optimizer,
+    describe_groups,
+    describe_implementation,
+)
+from lmpretrain.update.schedule import hyperparameter_changes, learning_rate, set_lr
+
+__all__ = ["UpdateGuard", "apply_hyperparameters", "build_optimizer", "describe_groups", "describe_implementation", "hyperparameter_changes", "learning_rate", "set_lr"]

@@ -7,4 +7,14 @@ from lmpretrain.model.objective import LMObjective
 from lmpretrain.model.precision import MixedPrecision
 from lmpretrain.model.speed import compile_seconds, prepare_model
 
-__all__ = ["LMObjective", "MixedPrecision", "build_model", "build_model_config", "compile_seconds", "count_targets", "make_labels", "parameter_counts", "prepare_model"]
+__all__ = [
+    "LMObjective",
+    "MixedPrecision",
+    "build_model",
+    "build_model_config",
+    "compile_seconds",
+    "count_targets",
+    "make_labels",
+    "parameter_counts",
+    "prepare_model",
+]

@@ -6,4 +6,13 @@ from lmpretrain.observe.flops import MFUMeter
 from lmpretrain.observe.progress import step_bar
 from lmpretrain.observe.tracking import Tracker, wandb_log_with
 
-__all__ = ["ConsoleWarnings", "Evaluator", "MFUMeter", "Tracker", "format_log_line", "generate_sample", "step_bar", "wandb_log_with"]
+__all__ = [
+    "ConsoleWarnings",
+    "Evaluator",
+    "MFUMeter",
+    "Tracker",
+    "format_log_line",
+    "generate_sample",
+    "step_bar",
+    "wandb_log_with",
+]

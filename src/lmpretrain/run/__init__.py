@@ -9,4 +9,13 @@ from lmpretrain.run.rng import LoopRNG
 from lmpretrain.run.runlock import run_lock
 from lmpretrain.run.train_state import TrainState
 
-__all__ = ["LoopRNG", "PreemptionHandler", "TrainState", "check_fingerprint", "check_replicas_identical", "run_fingerprint", "run_lock", "runtime"]
+__all__ = [
+    "LoopRNG",
+    "PreemptionHandler",
+    "TrainState",
+    "check_fingerprint",
+    "check_replicas_identical",
+    "run_fingerprint",
+    "run_lock",
+    "runtime",
+]

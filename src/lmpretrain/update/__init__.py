@@ -9,4 +9,13 @@ from lmpretrain.update.optim import (
 )
 from lmpretrain.update.schedule import hyperparameter_changes, learning_rate, set_lr
 
-__all__ = ["UpdateGuard", "apply_hyperparameters", "build_optimizer", "describe_groups", "describe_implementation", "hyperparameter_changes", "learning_rate", "set_lr"]
+__all__ = [
+    "UpdateGuard",
+    "apply_hyperparameters",
+    "build_optimizer",
+    "describe_groups",
+    "describe_implementation",
+    "hyperparameter_changes",
+    "learning_rate",
+    "set_lr",
+]

@@ -11,8 +11,9 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import recipe_runner as rr
-from lmpretrain.config import ModelConfig, load_config, model_problems
+from lmpretrain.config import ModelConfig, load_config
 from lmpretrain.model.build import build_model, build_model_config
+from lmpretrain.preflight import model_problems
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64}
 LLAMA_LIKE = {**TINY, "intermediate_size": 64, "num_key_value_heads": 2}

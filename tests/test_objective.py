@@ -12,7 +12,13 @@ from lmpretrain.config import Config
 from lmpretrain.errors import ConfigError
 from lmpretrain.model.build import build_model_config
 from lmpretrain.model.loss import IGNORE_INDEX, chunked_loss_sums, logits_loss_sums
-from lmpretrain.model.objective import LMObjective, check_objective, document_positions, install_loss_forward
+from lmpretrain.model.objective import (
+    LMObjective,
+    check_objective,
+    document_positions,
+    install_loss_forward,
+    weighted_sum,
+)
 from lmpretrain.model.speed import enable_activation_checkpointing, kernel_problems, prepare_model
 
 EOS = 3
@@ -128,9 +134,11 @@ def test_chunked_loss_trains_a_tied_embedding_model_like_the_full_loss():
         assert model.lm_head.weight is model.model.embed_tokens.weight
         objective = LMObjective(loss_impl=impl, chunk_tokens=16, label_smoothing=0.1, z_loss=1e-3)
         sums = objective(model, ids, labels)
-        sums.objective.backward()
+        weighted_sum(sums).backward()
         runs[impl] = (sums, grads(model))
-    assert runs["chunked"][0].ce.item() == pytest.approx(runs["full"][0].ce.item(), rel=1e-12)
+    assert runs["chunked"][0]["loss"].sum.item() == pytest.approx(
+        runs["full"][0]["loss"].sum.item(), rel=1e-12
+    )
     assert rel(runs["chunked"][1], runs["full"][1]) < 1e-12
 
 
@@ -142,9 +150,11 @@ def test_chunked_loss_under_autocast_stays_close_to_full(dtype):
         model = tiny()
         with torch.autocast("cpu", dtype=dtype):
             sums = LMObjective(loss_impl=impl, chunk_tokens=10)(model, ids, ids)
-        sums.objective.backward()
-        results[impl] = (sums.ce, grads(model))
-        assert sums.ce.dtype == torch.float32  # the loss is summed in fp32 whatever the compute dtype
+        weighted_sum(sums).backward()
+        results[impl] = (sums["loss"].sum, grads(model))
+        assert (
+            sums["loss"].sum.dtype == torch.float32
+        )  # the loss is summed in fp32 whatever the compute dtype
     assert results["chunked"][0].item() == pytest.approx(results["full"][0].item(), rel=1e-3)
     assert rel(results["chunked"][1], results["full"][1]) < 3e-2  # 16-bit logits and matmuls
 
@@ -184,7 +194,9 @@ def test_packed_documents_score_like_the_documents_run_alone(kind, attn, single_
         labels = batch.clone()
         labels[:, eos_at + 1] = IGNORE_INDEX
         labels[1:] = IGNORE_INDEX
-        assert objective(model, batch, labels).ce.item() == pytest.approx(alone.sum().item(), rel=1e-5)
+        assert objective(model, batch, labels)["loss"].sum.item() == pytest.approx(
+            alone.sum().item(), rel=1e-5
+        )
         unmasked = F.cross_entropy(model(input_ids=block).logits[0, :-1], block[0, 1:], reduction="none")
     assert (unmasked[inside] - alone).abs().max().item() > 1e-2  # without masking the documents would mix
 
@@ -254,7 +266,7 @@ def test_activation_checkpointing_keeps_dropout_masks_and_the_rng_stream():
         if checkpointing:
             assert "2 blocks, non-reentrant, RNG preserved" in enable_activation_checkpointing(model)
         torch.manual_seed(7)
-        LMObjective()(model, ids, ids).objective.backward()
+        weighted_sum(LMObjective()(model, ids, ids)).backward()
         results.append((grads(model), torch.get_rng_state()))
     (g0, rng0), (g1, rng1) = results
     assert torch.equal(g0, g1) and torch.equal(rng0, rng1)
@@ -272,14 +284,14 @@ def test_accelerates_own_fsdp_checkpointing_is_refused():
     with pytest.raises(
         ConfigError, match="fsdp_activation_checkpointing: true, whose checkpointing does not"
     ):
-        prepare_model(tiny(), LMObjective(), Config().train, accelerator)
+        prepare_model(tiny(), Config().train, accelerator)
 
 
 def peak_bytes(model, objective, ids) -> int:
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
-        objective(model, ids, ids).objective.backward()
+        weighted_sum(objective(model, ids, ids)).backward()
     model.zero_grad(set_to_none=True)
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 

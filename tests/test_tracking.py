@@ -4,7 +4,6 @@ secrets, the W&B mode fallback, the .wandb parser, and the console helpers."""
 import json
 import logging
 import math
-import shutil
 import socket
 import subprocess
 import time
@@ -29,10 +28,8 @@ from lmpretrain.observe.tracking import (
     SAMPLES_TABLE_KEY,
     Tracker,
     can_reach,
-    git_commit,
     has_wandb_credentials,
     is_secret_key,
-    package_versions,
     read_jsonl,
     resolve_wandb_mode,
     scrub_secrets,
@@ -481,28 +478,3 @@ def test_format_log_line_shows_only_present_keys():
         "| 2.5M tokens"
     )
     assert format_log_line(5, {"eval/loss": 2.0, "eval/ppl": 7.389}) == "step 5 | eval loss 2.0000 ppl 7.39"
-
-
-def test_package_versions_and_git_commit(tmp_path):
-    versions = package_versions()
-    assert set(versions) == {
-        "python",
-        "torch",
-        "transformers",
-        "accelerate",
-        "datasets",
-        "tokenizers",
-        "wandb",
-    }
-    assert versions["torch"] and versions["wandb"]
-    assert git_commit(tmp_path) is None  # not a checkout
-    if shutil.which("git"):
-        git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
-        subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-        (tmp_path / "f").write_text("1")
-        subprocess.run([*git, "-C", str(tmp_path), "add", "f"], check=True)
-        subprocess.run([*git, "-C", str(tmp_path), "commit", "-qm", "c"], check=True)
-        head = git_commit(tmp_path)
-        assert head is not None and len(head) == 40
-        (tmp_path / "f").write_text("2")
-        assert git_commit(tmp_path) == f"{head}-dirty"

@@ -12,11 +12,58 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
-from lmpretrain.data import SourceSpec, data_problems
 from lmpretrain.errors import ConfigError
+
+BLANK_LINES = "blank_lines"  # SourceSpec.separator keyword: documents separated by whitespace-only lines
+SOURCE_FORMATS = ("text", "json", "parquet", "tokens")
+
+
+@dataclass
+class SourceSpec:
+    name: str | None = None  # builtin registry entry, e.g. "python-stdlib"
+    files: list[str] | None = None  # local files/globs/dirs (text: .txt/.md/.py..., json/jsonl, parquet)
+    hub: str | None = None  # Hub dataset id (real path; unreachable offline)
+    hub_config: str | None = None
+    split: str = "train"
+    format: str | None = None  # "text" | "json" | "parquet" | "tokens"; inferred from extension when None
+    text_field: str = "text"
+    separator: str | None = None  # text files: None = one document per file; "blank_lines" = documents
+    # end at whitespace-only lines; any other string (e.g. "<|endoftext|>", "\n") = documents end at it
+    weight: float = 1.0  # mixing weight among train sources
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return f"{self.name}:{self.split}"
+        if self.hub:
+            return f"hub:{self.hub}" + (f"/{self.hub_config}" if self.hub_config else "") + f":{self.split}"
+        return "files:" + ",".join(self.files or [])
+
+    def validate(self) -> None:
+        given = [k for k in ("name", "files", "hub") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                f"a data source needs exactly one of name/files/hub, got {given or 'none'}: {self}"
+            )
+        if self.format is not None and self.format not in SOURCE_FORMATS:
+            raise ValueError(f"source {self.label}: format {self.format!r} is not one of {SOURCE_FORMATS}")
+        if not self.weight > 0:
+            raise ValueError(f"source {self.label}: weight must be > 0, got {self.weight}")
+        if isinstance(self.files, str):
+            raise ValueError(f"source files must be a list of paths/globs, got the string {self.files!r}")
+        if self.separator is not None:
+            if not isinstance(self.separator, str) or not self.separator:
+                raise ValueError(f"source {self.label}: separator must be a non-empty string or null")
+            near = difflib.get_close_matches(self.separator, [BLANK_LINES], n=1, cutoff=0.75)
+            if near and self.separator != BLANK_LINES:
+                raise ValueError(
+                    f"source {self.label}: separator {self.separator!r} is not the keyword {BLANK_LINES!r}; "
+                    f"write {BLANK_LINES!r} for documents separated by blank lines"
+                )
 
 
 @dataclass
@@ -47,7 +94,12 @@ class ModelConfig:
     """Fields of that model config (hidden_size, num_hidden_layers, vocab_size, ...)."""
     pretrained: str | None = None
     """A local path or Hub id to continue pretraining from (from_pretrained); overrides still apply."""
-    attn_implementation: str = "sdpa"
+    imports: list[str] = field(default_factory=list)
+    """Modules imported before the model is built, e.g. a fork's own architecture whose import registers
+    it with AutoConfig.register / AutoModelForCausalLM.register (docs/models.md)."""
+    trust_remote_code: bool = False
+    """Run the modelling code a pretrained checkpoint ships (auto_map in its config.json)."""
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] = "sdpa"
     """Attention kernel passed to transformers: eager | sdpa | flash_attention_2 | flex_attention.
     A kernel that cannot run here (flash-attn missing, no CUDA, not bf16/fp16, model lacks it) is
     refused before any work, except sdpa, the default, which is eager for models without an sdpa path
@@ -97,11 +149,11 @@ class TrainConfig:
     """Sequences per forward/backward on one process."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; global batch = micro x accum x world size."""
-    precision: str = "no"
+    precision: Literal["no", "bf16", "fp16"] = "no"
     """no | bf16 | fp16 (fp16 uses dynamic loss scaling)."""
     loss_scale_init: float = 65536.0
     """fp16 only: initial dynamic loss scale (halved after each overflow, doubled after 2000 clean steps)."""
-    param_dtype: str = "float32"
+    param_dtype: Literal["float32", "float64"] = "float32"
     """Parameters and optimizer state: float32, or float64 for numerical equivalence checks (slow)."""
     max_grad_norm: float = 1.0
     """Global L2 norm limit; 0 disables clipping (the norm is still logged)."""
@@ -117,7 +169,7 @@ class TrainConfig:
     """Recompute each block's activations in backward (transformers' checkpointing: non-reentrant,
     RNG state preserved, so dropout runs match and resume bit-exactly): less memory, about one extra
     forward. Under FSDP2 use this, not the launch config's fsdp_activation_checkpointing (refused)."""
-    loss_impl: str = "full"
+    loss_impl: Literal["full", "chunked", "liger"] = "full"
     """full: logits of the whole micro-batch, then fp32 cross-entropy | chunked: cross-entropy from the
     final hidden states through the output embedding, loss_chunk_tokens rows at a time, gradients
     computed chunk by chunk (never the full fp32 logits; rows without a target are skipped) | liger:
@@ -158,7 +210,7 @@ class OptimConfig:
     fused: bool = True
     """torch's fused AdamW where the device supports it, else the foreach implementation (same update;
     checkpoints load across the two). The one that runs is logged at start-up."""
-    schedule: str = "cosine"
+    schedule: Literal["cosine", "wsd", "linear", "constant"] = "cosine"
     """cosine | wsd (warmup-stable-decay) | linear | constant, after the linear warmup; a function of the
     updates applied and the current config, so changing it (or lr, min_lr, warmup, max_steps) at resume works."""
     decay_fraction: float = 0.2
@@ -185,7 +237,7 @@ class CheckpointConfig:
     """Save every N steps (and at the end, and on SIGTERM/SIGINT); 0 = only at the end / on signal."""
     keep_last: int = 2
     """Checkpoints kept besides the best by eval loss."""
-    format: str = "auto"
+    format: Literal["auto", "full", "sharded"] = "auto"
     """full: one file of whole weights and optimizer state | sharded: torch.distributed.checkpoint, each
     rank writes its shards (resumes onto any process count) | auto: sharded under FSDP2, else full."""
     async_save: bool = False
@@ -195,7 +247,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    wandb_mode: str = "online"
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
     """online | offline | disabled; online falls back to offline without an API key or network."""
     wandb_project: str = "lmpretrain"
     every: int = 10
@@ -222,17 +274,6 @@ class Config:
         return self.train.micro_batch_size * self.train.grad_accum_steps * world_size
 
 
-CHOICES = {
-    "train.precision": ("no", "bf16", "fp16"),
-    "train.param_dtype": ("float32", "float64"),
-    "train.loss_impl": ("full", "chunked", "liger"),
-    "model.attn_implementation": ("eager", "sdpa", "flash_attention_2", "flex_attention"),
-    "optim.schedule": ("cosine", "wsd", "linear", "constant"),
-    "checkpoint.format": ("auto", "full", "sharded"),
-    "logging.wandb_mode": ("online", "offline", "disabled"),
-}
-
-
 # ----------------------------------------------------------------------------------------------
 # Building dataclasses from plain data, with every problem collected
 
@@ -244,6 +285,14 @@ def _type_name(tp) -> str:
 def _coerce(value, tp, where: str, problems: list[str]):
     """Return `value` as type `tp`, appending a problem (and returning None) when it does not fit."""
     origin = typing.get_origin(tp)
+    if origin is Literal:  # the one place each set of allowed values is written
+        allowed = typing.get_args(tp)
+        if value in allowed:
+            return value
+        near = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.5)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        problems.append(f"{where}={value!r} must be one of {', '.join(map(str, allowed))}{hint}")
+        return None
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -350,8 +399,27 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def load_config(argv: list[str]) -> Config:
-    """`argv` = [path/to/config.yaml, --section.field=value, ...] -> a typed Config (or ConfigError)."""
+def with_sections(sections: dict[str, type] | None) -> type[Config]:
+    """Config plus a fork's own sections ({"mtp": MTPConfig}: dataclasses with defaults), which then get
+    YAML and command-line overrides, type checks, did-you-mean, config.yaml and W&B like ours."""
+    if not sections:
+        return Config
+    taken = {f.name for f in dataclasses.fields(Config)} & set(sections)
+    if taken:
+        raise ConfigError(
+            [f"a recipe section cannot reuse the name of a built-in one: {', '.join(sorted(taken))}"]
+        )
+    for name, cls in sections.items():
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError([f"recipe section {name!r} must be a dataclass, got {cls!r}"])
+    extra = [(name, cls, field(default_factory=cls)) for name, cls in sections.items()]
+    return dataclasses.make_dataclass("Config", extra, bases=(Config,))
+
+
+def load_config(argv: list[str], sections: dict[str, type] | None = None) -> Config:
+    """`argv` = [path/to/config.yaml, --section.field=value, ...] -> a typed Config (or ConfigError).
+
+    `sections`: a fork's own config sections, see `with_sections`."""
     if not argv or argv[0].startswith("--"):
         raise ConfigError(["the first argument must be a config YAML, e.g. configs/smoke.yaml"])
     path = Path(argv[0])
@@ -364,31 +432,68 @@ def load_config(argv: list[str]) -> Config:
     if not isinstance(data, dict):
         raise ConfigError([f"{path} must hold a mapping of sections, got {type(data).__name__}"])
     data = _merge(data, parse_overrides(argv[1:]))
+    data.pop("provenance", None)  # a saved config.yaml records what trained it; not a setting
     problems: list[str] = []
-    cfg = _build(Config, data, "", problems)
+    cfg = _build(with_sections(sections), data, "", problems)
     if problems:
         raise ConfigError(problems, source=str(path))
     cfg.config_path = str(path)
     return cfg
 
 
-def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+def save_config(cfg: Config, path: Path, provenance: dict | None = None) -> None:
+    """The resolved config, plus what trained the run (recipe, commit, packages) under `provenance`."""
+    data = cfg.to_dict()
+    if provenance:
+        data["provenance"] = provenance
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 # ----------------------------------------------------------------------------------------------
 # Cross-field rules, checked once at start-up
 
 
+def data_problems(data: DataConfig, world_size: int) -> list[str]:
+    """Every rule of the data section that needs only the config and the world size, named by config key."""
+    p: list[str] = []
+    if data.seq_len < 2:
+        p.append("data.seq_len must be >= 2 (a block needs an input and a next-token target)")
+    if data.num_streams < 1:
+        p.append("data.num_streams must be >= 1")
+    elif data.num_streams % world_size:
+        p.append(
+            f"data.num_streams={data.num_streams} must be a multiple of the world size {world_size} "
+            f"(each process owns num_streams/world_size streams); try --data.num_streams="
+            f"{world_size * max(1, -(-data.num_streams // world_size))}"
+        )
+    elif data.num_workers > data.num_streams // world_size:
+        p.append(
+            f"data.num_workers={data.num_workers} exceeds the {data.num_streams // world_size} streams each "
+            "process owns (data.num_streams / world size; each worker owns whole streams); lower it or raise "
+            "data.num_streams"
+        )
+    if data.num_workers < 0:
+        p.append("data.num_workers must be >= 0")
+    for key in ("shuffle_window", "doc_shuffle_window"):
+        if getattr(data, key) < 1:
+            p.append(f"data.{key} must be >= 1")
+    if not data.train:
+        p.append("data.train needs at least one source")
+    if not data.eval:
+        p.append("data.eval needs at least one held-out source (a separate split or file set)")
+    for section, sources in (("data.train", data.train), ("data.eval", data.eval)):
+        for i, source in enumerate(sources):
+            try:
+                source.validate()
+            except ValueError as err:
+                p.append(f"{section}[{i}]: {err}")
+    return p
+
+
 def config_problems(cfg: Config, world_size: int) -> list[str]:
     """Every rule that needs only the config and the world size."""
     p: list[str] = []
     t, o, d = cfg.train, cfg.optim, cfg.data
-    for key, allowed in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in allowed:
-            p.append(f"{key}={value!r} must be one of {', '.join(allowed)}")
     if t.loss_scale_init <= 0:
         p.append("train.loss_scale_init must be > 0")
     for key in (
@@ -435,30 +540,3 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append("optim.beta1 and optim.beta2 must be in [0, 1)")
     p += data_problems(d, world_size)
     return p
-
-
-def model_problems(cfg: Config, model_config, tokenizer) -> list[str]:
-    """Rules that need the model config and tokenizer: context length and vocabulary."""
-    p: list[str] = []
-    positions = getattr(model_config, "max_position_embeddings", None)
-    if positions is not None and cfg.data.seq_len > positions:
-        p.append(
-            f"data.seq_len={cfg.data.seq_len} exceeds the model's {positions} positions "
-            f"(raise model.overrides.max_position_embeddings / n_positions, or lower data.seq_len)"
-        )
-    vocab = len(tokenizer)
-    if vocab > model_config.vocab_size:
-        p.append(
-            f"tokenizer '{cfg.data.tokenizer}' has {vocab} tokens but the model's vocab_size is "
-            f"{model_config.vocab_size}; set model.overrides.vocab_size >= {vocab}"
-        )
-    if tokenizer.eos_token_id is None:
-        p.append(f"tokenizer '{cfg.data.tokenizer}' has no EOS token; documents cannot be separated")
-    if getattr(model_config, "output_router_logits", False):
-        p.append(
-            "model.overrides.output_router_logits=true asks for the router's load-balancing loss, which the "
-            "recipe's loss (the language-model loss only) would silently leave out; set it to false"
-        )
-    from lmpretrain.model.speed import kernel_problems  # here: it loads transformers' model registry
-
-    return p + kernel_problems(cfg, model_config)

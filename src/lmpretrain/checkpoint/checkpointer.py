@@ -220,20 +220,27 @@ def check_output_dir_writable(output_dir) -> None:
         ) from err
 
 
+def checkpoint_problems(format: str, async_save: bool, *, deepspeed: bool) -> list[str]:
+    """What DeepSpeed's engine, which writes its own partitioned files synchronously, cannot do."""
+    p = []
+    if deepspeed and format == "sharded":
+        p.append(
+            "checkpoint.format=sharded is not supported under DeepSpeed (its engine writes its own "
+            "partitioned optimizer files): use checkpoint.format=auto or full"
+        )
+    if deepspeed and async_save:
+        p.append(
+            "checkpoint.async_save=true is not supported under DeepSpeed (its engine writes synchronously): "
+            "set it to false"
+        )
+    return p
+
+
 def resolve_format(requested: str, state) -> str:
     """``checkpoint.format`` (auto | full | sharded, validated with the config): ``auto`` is sharded under
     FSDP2 and full otherwise; DeepSpeed writes full."""
-    fsdp2 = getattr(state, "is_fsdp2", False)
-    deepspeed = state.distributed_type == DistributedType.DEEPSPEED
     if requested == "auto":
-        return "sharded" if fsdp2 else "full"
-    if deepspeed and requested == "sharded":
-        raise ConfigError(
-            [
-                "checkpoint.format=sharded is not supported under DeepSpeed (its engine writes its own "
-                "partitioned optimizer files): use checkpoint.format=auto or full"
-            ]
-        )
+        return "sharded" if getattr(state, "is_fsdp2", False) else "full"
     return requested
 
 
@@ -278,14 +285,10 @@ class Checkpointer:
         self.keep_last = keep_last
         # DeepSpeed's engine owns its partitioned optimizer state and writes it in its own layout.
         self.deepspeed = self.state.distributed_type == DistributedType.DEEPSPEED
+        problems = checkpoint_problems(format, async_save, deepspeed=self.deepspeed)
+        if problems:
+            raise ConfigError(problems)
         self.format = resolve_format(format, self.state)
-        if async_save and self.deepspeed:
-            raise ConfigError(
-                [
-                    "checkpoint.async_save=true is not supported under DeepSpeed (its engine writes "
-                    "synchronously): set it to false"
-                ]
-            )
         self.async_save = async_save
         self.announce = announce or (lambda line: None)
         self._pending: _Pending | None = None

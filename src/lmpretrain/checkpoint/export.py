@@ -13,6 +13,19 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from lmpretrain.checkpoint.checkpointer import fsync_path, fsync_tree
 from lmpretrain.run.distributed import broadcast_int
 
+AUXILIARY = "lmpretrain_auxiliary"
+
+
+def auxiliary(module):
+    """Mark `module`, a fork's addition to the model (a multi-token-prediction head, a probe), as trained
+    and checkpointed but left out of the export, so final/ loads as the plain model class. Returns it."""
+    setattr(module, AUXILIARY, True)
+    return module
+
+
+def _auxiliary_prefixes(model) -> tuple[str, ...]:
+    return tuple(f"{name}." for name, module in model.named_modules() if getattr(module, AUXILIARY, False))
+
 
 def _tied_aliases(model) -> set[str]:
     """Names of parameters that are another parameter (tied embeddings): gathered shards arrive as
@@ -27,15 +40,19 @@ def export_pretrained(model, tokenizer, path, accelerator) -> Path:
     """Write ``model`` and ``tokenizer`` to ``path`` for ``from_pretrained``; every rank must call it
     (sharded weights are gathered to the main process, which writes)."""
     path = Path(path)
+    inner = accelerator.unwrap_model(model)
+    left_out = _auxiliary_prefixes(inner)
     if type(model).__name__ == "DeepSpeedEngine":
         # ZeRO-1/2 ranks hold whole weights; the module saves its own (keeping tied embeddings tied).
         weights = None
+        if left_out:
+            weights = {k: v for k, v in inner.state_dict().items() if not k.startswith(left_out)}
     else:
         weights = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        aliases = _tied_aliases(accelerator.unwrap_model(model))
-        weights = {k: v for k, v in weights.items() if k not in aliases}
+        aliases = _tied_aliases(inner)
+        weights = {k: v for k, v in weights.items() if k not in aliases and not k.startswith(left_out)}
     nonce = broadcast_int(int.from_bytes(os.urandom(6), "little"), accelerator)
     if accelerator.is_main_process:
         for leftover in path.parent.glob(f".tmp-{path.name}-*"):  # from an export that was killed

@@ -14,7 +14,6 @@ from lmpretrain.data.train_stream import (
     StepBlocks,
     TrainStream,
     blocks_per_stream,
-    data_problems,
     merge_data_states,
 )
 
@@ -24,7 +23,6 @@ __all__ = [
     "StepBlocks",
     "TrainStream",
     "blocks_per_stream",
-    "data_problems",
     "expand_files",
     "heldout_blocks",
     "load_tokenizer",

@@ -20,11 +20,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from lmpretrain.config import BLANK_LINES
 from lmpretrain.errors import DataError
 
 CHUNK = 1 << 16  # bytes per text unit at most (and per read)
 SCAN_LIMIT = 1 << 22  # how far a piece boundary may move forward to reach a line or document start
-BLANK_LINES = "blank_lines"  # SourceSpec.separator keyword: documents separated by whitespace-only lines
 _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 _PARQUET_BATCH = 256
 

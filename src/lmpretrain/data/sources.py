@@ -10,24 +10,23 @@ stream. Pieces depend only on the files and num_streams, never on the world size
 
 from __future__ import annotations
 
-import difflib
 import glob
 import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lmpretrain.config import BLANK_LINES, SourceSpec
 from lmpretrain.data import readers
-from lmpretrain.data.readers import BLANK_LINES, Piece
+from lmpretrain.data.readers import Piece
 from lmpretrain.errors import DataError
 
 TOKENS_FIELD = "input_ids"  # column of pre-tokenized parquet shards (scripts/prepare_data.py)
 TOKENS_META = "tokens_meta.json"
 MIN_PIECE_BYTES = 1 << 16  # files are not cut into pieces smaller than this
-_FORMATS = ("text", "json", "parquet", "tokens")
 _EXT_FORMATS = {
     ".json": "json",
     ".jsonl": "json",
@@ -37,53 +36,12 @@ _EXT_FORMATS = {
 }
 
 
-@dataclass
-class SourceSpec:
-    name: str | None = None  # builtin registry entry, e.g. "python-stdlib"
-    files: list[str] | None = None  # local files/globs/dirs (text: .txt/.md/.py..., json/jsonl, parquet)
-    hub: str | None = None  # Hub dataset id (real path; unreachable offline)
-    hub_config: str | None = None
-    split: str = "train"
-    format: str | None = None  # "text" | "json" | "parquet" | "tokens"; inferred from extension when None
-    text_field: str = "text"
-    separator: str | None = None  # text files: None = one document per file; "blank_lines" = documents
-    # end at whitespace-only lines; any other string (e.g. "<|endoftext|>", "\n") = documents end at it
-    weight: float = 1.0  # mixing weight among train sources
-
-    @property
-    def label(self) -> str:
-        if self.name:
-            return f"{self.name}:{self.split}"
-        if self.hub:
-            return f"hub:{self.hub}" + (f"/{self.hub_config}" if self.hub_config else "") + f":{self.split}"
-        return "files:" + ",".join(self.files or [])
-
-    def validate(self) -> None:
-        given = [k for k in ("name", "files", "hub") if getattr(self, k)]
-        if len(given) != 1:
-            raise DataError(
-                f"a data source needs exactly one of name/files/hub, got {given or 'none'}: {self}"
-            )
-        if self.format is not None and self.format not in _FORMATS:
-            raise DataError(f"source {self.label}: format {self.format!r} is not one of {_FORMATS}")
-        if not self.weight > 0:
-            raise DataError(f"source {self.label}: weight must be > 0, got {self.weight}")
-        if isinstance(self.files, str):
-            raise DataError(f"source files must be a list of paths/globs, got the string {self.files!r}")
-        if self.separator is not None:
-            if not isinstance(self.separator, str) or not self.separator:
-                raise DataError(f"source {self.label}: separator must be a non-empty string or null")
-            near = difflib.get_close_matches(self.separator, [BLANK_LINES], n=1, cutoff=0.75)
-            if near and self.separator != BLANK_LINES:
-                raise DataError(
-                    f"source {self.label}: separator {self.separator!r} is not the keyword {BLANK_LINES!r}; "
-                    f"write {BLANK_LINES!r} for documents separated by blank lines"
-                )
-
-
 def as_spec(source: SourceSpec | dict) -> SourceSpec:
     spec = source if isinstance(source, SourceSpec) else SourceSpec(**source)
-    spec.validate()
+    try:
+        spec.validate()
+    except ValueError as err:
+        raise DataError(str(err)) from None
     return spec
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lmpretrain.config import data_problems
 from lmpretrain.data.block_stream import BlockStream, StreamSettings
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.sources import Source, open_sources
@@ -41,43 +42,6 @@ class StepBlocks:
 def blocks_per_stream(blocks_per_step: int, num_streams: int) -> list[int]:
     """c_s = G // S + (s < G % S): how many blocks stream s gives to every step."""
     return [blocks_per_step // num_streams + (s < blocks_per_step % num_streams) for s in range(num_streams)]
-
-
-def data_problems(data: DataConfig, world_size: int) -> list[str]:
-    """Every rule of the data section that needs only the config and the world size, named by config key."""
-    p: list[str] = []
-    if data.seq_len < 2:
-        p.append("data.seq_len must be >= 2 (a block needs an input and a next-token target)")
-    if data.num_streams < 1:
-        p.append("data.num_streams must be >= 1")
-    elif data.num_streams % world_size:
-        p.append(
-            f"data.num_streams={data.num_streams} must be a multiple of the world size {world_size} "
-            f"(each process owns num_streams/world_size streams); try --data.num_streams="
-            f"{world_size * max(1, -(-data.num_streams // world_size))}"
-        )
-    elif data.num_workers > data.num_streams // world_size:
-        p.append(
-            f"data.num_workers={data.num_workers} exceeds the {data.num_streams // world_size} streams each "
-            "process owns (data.num_streams / world size; each worker owns whole streams); lower it or raise "
-            "data.num_streams"
-        )
-    if data.num_workers < 0:
-        p.append("data.num_workers must be >= 0")
-    for key in ("shuffle_window", "doc_shuffle_window"):
-        if getattr(data, key) < 1:
-            p.append(f"data.{key} must be >= 1")
-    if not data.train:
-        p.append("data.train needs at least one source")
-    if not data.eval:
-        p.append("data.eval needs at least one held-out source (a separate split or file set)")
-    for section, sources in (("data.train", data.train), ("data.eval", data.eval)):
-        for i, source in enumerate(sources):
-            try:
-                source.validate()
-            except DataError as err:
-                p.append(f"{section}[{i}]: {err}")
-    return p
 
 
 def merge_data_states(per_rank_states: list[dict]) -> dict:

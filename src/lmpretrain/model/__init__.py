@@ -1,20 +1,23 @@
 """The model and what it computes: building it, the objective and its loss kernels, speed switches,
 mixed precision."""
 
-from lmpretrain.model.build import build_model, build_model_config, parameter_counts
+from lmpretrain.model.build import build_model, build_model_config, import_model_modules, parameter_counts
 from lmpretrain.model.loss import count_targets, make_labels
-from lmpretrain.model.objective import LMObjective
+from lmpretrain.model.objective import LMObjective, Term, weighted_sum
 from lmpretrain.model.precision import MixedPrecision
 from lmpretrain.model.speed import compile_seconds, prepare_model
 
 __all__ = [
     "LMObjective",
     "MixedPrecision",
+    "Term",
     "build_model",
     "build_model_config",
     "compile_seconds",
     "count_targets",
+    "import_model_modules",
     "make_labels",
     "parameter_counts",
     "prepare_model",
+    "weighted_sum",
 ]

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 
 import torch
 from torch import nn
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import (
+    CONFIG_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+)
 
 from lmpretrain.errors import ConfigError
 
@@ -33,18 +40,71 @@ def build_model_config(model_cfg, tokenizer=None) -> PretrainedConfig:
         overrides = {**{name: getattr(tokenizer, name) for name in SPECIAL_TOKENS}, **overrides}
     if model_cfg.pretrained:  # one load: from_pretrained hands back the overrides it could not apply
         config, unused = AutoConfig.from_pretrained(
-            model_cfg.pretrained, return_unused_kwargs=True, **overrides
+            model_cfg.pretrained,
+            return_unused_kwargs=True,
+            trust_remote_code=model_cfg.trust_remote_code,
+            **overrides,
         )
         _refuse_unknown_overrides(config, unused)
         return config
-    try:
-        default = AutoConfig.for_model(model_cfg.type)
-    except ValueError as err:
+    if model_cfg.type not in CONFIG_MAPPING:
+        near = difflib.get_close_matches(model_cfg.type, list(CONFIG_MAPPING.keys()), n=3, cutoff=0.6)
         raise ConfigError(
-            [f"model.type={model_cfg.type!r} is not a transformers model type: {err}"]
-        ) from None
-    _refuse_unknown_overrides(default, model_cfg.overrides)
+            [
+                f"model.type={model_cfg.type!r} is not a registered model type"
+                + (f" (nearest: {', '.join(near)})" if near else "")
+                + ". A model of your own: register its config and model class with AutoConfig.register / "
+                "AutoModelForCausalLM.register in a module and list it in model.imports (docs/models.md)"
+            ]
+        )
+    _refuse_unknown_overrides(AutoConfig.for_model(model_cfg.type), model_cfg.overrides)
     return AutoConfig.for_model(model_cfg.type, **overrides)
+
+
+def import_model_modules(model_cfg) -> None:
+    """Import `model.imports` (a fork's modules, whose AutoConfig/AutoModelForCausalLM.register calls then
+    take effect) before the model config is built; a module that cannot be imported is a ConfigError."""
+    problems = []
+    for name in model_cfg.imports:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            problems.append(
+                f"model.imports: cannot import {name!r} ({err}); give an importable module name (on "
+                f"PYTHONPATH or next to the recipe)"
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
+def contract_problems(cfg, model_class: type | None, sharding: str) -> list[str]:
+    """What the model class must offer for the switches that are on (docs/models.md), named by the piece
+    that is missing."""
+    kind = cfg.model.type if not cfg.model.pretrained else cfg.model.pretrained
+    if model_class is None:
+        return [
+            f"model {kind!r} has no causal LM class registered with AutoModelForCausalLM; register one "
+            f"(AutoModelForCausalLM.register(YourConfig, YourForCausalLM)) in a module listed in model.imports"
+        ]
+    name, p = model_class.__name__, []
+    needs_blocks = [
+        why for on, why in ((cfg.train.compile, "train.compile"), ("fsdp" in sharding, "FSDP")) if on
+    ]
+    if needs_blocks and not getattr(model_class, "_no_split_modules", None):
+        p.append(
+            f"{name}._no_split_modules is empty: {' and '.join(needs_blocks)} find the transformer blocks by the "
+            f"class names it lists"
+        )
+    if cfg.train.activation_checkpointing and not getattr(
+        model_class, "supports_gradient_checkpointing", False
+    ):
+        p.append(
+            f"train.activation_checkpointing=true: {name}.supports_gradient_checkpointing is not true; set "
+            f"train.activation_checkpointing=false or implement it"
+        )
+    if cfg.train.loss_impl != "full" and not callable(getattr(model_class, "get_output_embeddings", None)):
+        p.append(f"train.loss_impl={cfg.train.loss_impl}: {name} has no get_output_embeddings()")
+    return p
 
 
 def _refuse_unknown_overrides(config: PretrainedConfig, keys) -> None:
@@ -73,7 +133,12 @@ def attention_kernel(config: PretrainedConfig) -> str:
     return kernel
 
 
-def build_model(config: PretrainedConfig, pretrained: str | None = None, dtype: str = "float32") -> nn.Module:
+def build_model(
+    config: PretrainedConfig,
+    pretrained: str | None = None,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+) -> nn.Module:
     """Weights from `pretrained`, else a fresh init from the (seeded) global RNG.
 
     Parameters stay in `dtype` (fp32 master weights); autocast lowers only the compute. The attention
@@ -83,9 +148,15 @@ def build_model(config: PretrainedConfig, pretrained: str | None = None, dtype: 
     kernel = attention_kernel(config)
     if pretrained:
         return AutoModelForCausalLM.from_pretrained(
-            pretrained, config=config, dtype=dtype, attn_implementation=kernel
+            pretrained,
+            config=config,
+            dtype=dtype,
+            attn_implementation=kernel,
+            trust_remote_code=trust_remote_code,
         )
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kernel)
+    return AutoModelForCausalLM.from_config(
+        config, dtype=dtype, attn_implementation=kernel, trust_remote_code=trust_remote_code
+    )
 
 
 def parameter_counts(model: nn.Module) -> dict:

@@ -1,10 +1,12 @@
-"""One forward + loss for training and evaluation: document masking, the loss implementation, z-loss.
+"""What the model is trained on: one forward + loss for training and evaluation, as named terms.
 
 The recipe's micro-batch loop and the `Evaluator` both call `objective(model, input_ids, labels)`, which
-returns token sums (`LossSums`), so every caller masks documents and computes the loss the same way
-and the recipe still normalises once by the global target count.
+returns named terms, name -> `Term(sum, count, weight)`: `loss` (cross-entropy) and, with train.z_loss,
+`z_loss`. The loop reduces each term over micro-batches and ranks, adds weight * sum / (the global
+batch's target count) to what it differentiates, and logs sum / count as `train/<name>`. A fork adds a
+term by overriding `terms()` (docs/forking.md); nothing else changes.
 
-The loss runs inside the model's own forward (`install_loss_forward`): under FSDP2 the output
+The loss runs inside the model's own forward (`install`, called by the recipe): under FSDP2 the output
 embedding is gathered only during the root module's forward, and DDP/DeepSpeed see an ordinary call.
 Called without `lm_targets`, the model behaves as before (generation, pipelines).
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +43,24 @@ def document_positions(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tens
     starts[:, 0] = True
     starts[:, 1:] = input_ids[:, :-1] == eos_token_id
     return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+class Term(NamedTuple):
+    """One named part of the objective over a micro-batch (a NamedTuple: DDP/FSDP walk it like a tuple).
+
+    `sum` over `count` units (the targets it scores); the loop differentiates weight * sum divided by
+    the global batch's target count, so weights are per target token, and logs sum / count. A term
+    with weight 0 is logged only.
+    """
+
+    sum: torch.Tensor
+    count: torch.Tensor
+    weight: float
+
+
+def weighted_sum(terms: dict[str, Term]) -> torch.Tensor:
+    """What backward runs on, before normalisation: the sum of weight x sum over the weighted terms."""
+    return sum(term.weight * term.sum for term in terms.values() if term.weight)
 
 
 @dataclass(frozen=True)
@@ -96,12 +117,29 @@ class LMObjective:
         # No KV cache: transformers reads documents from position_ids only when there is none.
         return {**inputs, "use_cache": False, "lm_targets": targets, "lm_objective": self}
 
-    def __call__(self, model, input_ids: torch.Tensor, labels: torch.Tensor) -> LossSums:
-        """Forward + loss sums of one micro-batch through `model` (wrapped or not)."""
+    def __call__(self, model, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Term]:
+        """Forward + named terms of one micro-batch through `model` (wrapped or not)."""
         return model(**self.model_inputs(input_ids, labels))
 
-    def sums_in_forward(self, model, forward, targets: torch.Tensor, **inputs) -> LossSums:
-        """Inside the model's forward: the sums with this objective's loss implementation."""
+    def install(self, model) -> list[str]:
+        """Let the model compute this objective inside its own forward, then show on a few tokens that it
+        can (check_objective); returns the log lines. Before accelerate wraps the model."""
+        install_loss_forward(model)
+        return [self.describe(), *check_objective(model, self)]
+
+    def terms(self, model, forward, targets: torch.Tensor, **inputs) -> dict[str, Term]:
+        """Inside the model's forward: the named terms. Override to add terms (keep `loss`)."""
+        sums = self.loss_sums(model, forward, targets, **inputs)
+        count = (targets != IGNORE_INDEX).sum()
+        if not self.z_loss:
+            return {"loss": Term(sums.objective, count, 1.0)}
+        # The loss implementations differentiate ce + z_loss * z as one sum (the chunked loss computes its
+        # gradient in the forward); `loss` carries that gradient with the value ce, `z_loss` the value only.
+        carry = sums.objective - sums.objective.detach()
+        return {"loss": Term(sums.ce + carry, count, 1.0), "z_loss": Term(sums.z, count, self.z_loss)}
+
+    def loss_sums(self, model, forward, targets: torch.Tensor, **inputs) -> LossSums:
+        """Cross-entropy (and z) sums with this objective's loss implementation."""
         if self.loss_impl == "full":
             logits = forward(model, **inputs).logits
             return logits_loss_sums(logits, targets, self.label_smoothing, self.z_loss)
@@ -130,7 +168,7 @@ def _forward_with_loss(self, *args, lm_targets=None, lm_objective=None, **kwargs
         # the training and eval shapes, and a growing KV cache would recompile them at every length.
         with torch.compiler.set_stance("force_eager"):
             return forward(self, *args, **kwargs)
-    return lm_objective.sums_in_forward(self, forward, lm_targets, **kwargs)
+    return lm_objective.terms(self, forward, lm_targets, **kwargs)
 
 
 def install_loss_forward(model) -> None:
@@ -230,10 +268,10 @@ def _check_document_masking(model, objective, kind, kernel, vocab, device, toler
     worst = 0.0
     start = 0
     for doc in docs:
-        alone = plain(model, doc[None], doc[None]).ce  # the document's own next-token targets
+        alone = plain(model, doc[None], doc[None])["loss"].sum  # the document's own next-token targets
         labels = torch.full_like(packed, IGNORE_INDEX)
         labels[0, start + 1 : start + len(doc)] = doc[1:]
-        inside = plain(model, packed, labels).ce
+        inside = plain(model, packed, labels)["loss"].sum
         worst = max(worst, abs(inside.item() - alone.item()) / abs(alone.item()))
         start += len(doc)
     if worst > tolerance:

@@ -2,9 +2,9 @@
 
 They change how the model runs, not what it computes (tests/test_speed.py trains with each one on
 and off and compares). `kernel_problems` refuses, before any work, a kernel or loss that cannot run
-here; `prepare_model` then, before accelerate wraps the model (the order accelerate's own FSDP2 path
-uses: checkpointing, then compile, then sharding), checks the objective on a few tokens, installs it,
-checkpoints and compiles each transformer block, and returns what really runs, for the log.
+here; `prepare_model` then, after the objective is installed and before accelerate wraps the model (the
+order accelerate's own FSDP2 path uses: checkpointing, then compile, then sharding), checkpoints and
+compiles each transformer block, and returns what really runs, for the log.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from transformers.utils import is_flash_attn_2_available
 
 from lmpretrain.errors import ConfigError
 from lmpretrain.model.build import attention_kernel, causal_lm_class
-from lmpretrain.model.objective import LMObjective, check_objective, install_loss_forward
 
 # What each kernel needs from the model class (transformers' own flags).
 _KERNEL_SUPPORT = {
@@ -133,10 +132,11 @@ def compile_seconds() -> float:
     return calculate_time_spent()["total_wall_time"]
 
 
-def prepare_model(model: nn.Module, objective: LMObjective, train_cfg, accelerator=None) -> list[str]:
-    """Check and install the objective, then activation checkpointing and compile; returns the log lines.
+def prepare_model(model: nn.Module, train_cfg, accelerator=None) -> list[str]:
+    """Activation checkpointing and compile; returns the log lines (the attention kernel first).
 
-    Call it before `accelerator.prepare` (the accelerator's FSDP plugin must not checkpoint too).
+    Call it after `objective.install(model)` and before `accelerator.prepare` (the accelerator's FSDP
+    plugin must not checkpoint too).
     """
     fsdp_plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
     if getattr(fsdp_plugin, "activation_checkpointing", False):
@@ -150,9 +150,7 @@ def prepare_model(model: nn.Module, objective: LMObjective, train_cfg, accelerat
     kernel = model.config._attn_implementation
     if kernel == "eager" and not getattr(model, "_supports_sdpa", False):
         kernel += f" ({type(model).__name__} has no sdpa path)"
-    lines = [f"attention: {kernel}", objective.describe()]
-    install_loss_forward(model)
-    lines += check_objective(model, objective)
+    lines = [f"attention: {kernel}"]
     if train_cfg.activation_checkpointing:
         lines.append(enable_activation_checkpointing(model))
     if train_cfg.compile:

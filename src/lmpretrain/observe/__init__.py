@@ -3,6 +3,7 @@
 from lmpretrain.observe.console import ConsoleWarnings, format_log_line
 from lmpretrain.observe.evaluation import Evaluator, generate_sample
 from lmpretrain.observe.flops import MFUMeter
+from lmpretrain.observe.metrics import step_metrics
 from lmpretrain.observe.progress import step_bar
 from lmpretrain.observe.tracking import Tracker, wandb_log_with
 
@@ -14,5 +15,6 @@ __all__ = [
     "format_log_line",
     "generate_sample",
     "step_bar",
+    "step_metrics",
     "wandb_log_with",
 ]

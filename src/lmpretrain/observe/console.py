@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from lmpretrain.update.guard import NONFINITE, OVERFLOW, SPIKE, LossWindow
@@ -85,12 +85,16 @@ def _si(x: float) -> str:
     return f"{x:.0f}"
 
 
-def format_log_line(step: int, metrics: Mapping[str, Any], max_steps: int | None = None) -> str:
-    """A concise console line from the logged metrics (only the keys present are shown)."""
+def format_log_line(
+    step: int, metrics: Mapping[str, Any], max_steps: int | None = None, terms: Iterable[str] = ()
+) -> str:
+    """A concise console line from the logged metrics (only the keys present are shown); `terms`: the
+    objective's term names, each shown after the loss."""
     m = {k: as_scalar(v) for k, v in metrics.items()}
     parts = [f"step {step}/{max_steps}" if max_steps else f"step {step}"]
     if "train/loss" in m:
         parts.append(f"loss {m['train/loss']:.4f}")
+    parts += [f"{name} {m[f'train/{name}']:.4g}" for name in terms if name != "loss" and f"train/{name}" in m]
     if "train/lr" in m:
         parts.append(f"lr {m['train/lr']:.2e}")
     if "train/grad_norm" in m:

@@ -47,7 +47,7 @@ class Evaluator:
             x = inputs[start : start + self.batch_size].to(acc.device)
             y = labels[start : start + self.batch_size].to(acc.device)
             with self.precision.autocast():
-                total[0] += objective(model, x, y).ce.double()
+                total[0] += objective(model, x, y)["loss"].sum.double()
             total[1] += count_targets(y)
         total = acc.reduce(total, reduction="sum")
         model.train()

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib.metadata
 import json
 import logging
 import netrc
 import os
-import platform
 import re
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Mapping
@@ -202,42 +199,6 @@ def resolve_wandb_mode(mode: str, probe_timeout: float = 2.0) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Run metadata
-# --------------------------------------------------------------------------------------------
-
-
-def package_versions() -> dict[str, str | None]:
-    """Versions of python and the packages a run depends on (None when not installed)."""
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "accelerate", "datasets", "tokenizers", "wandb"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
-def git_commit(path: str | os.PathLike | None = None) -> str | None:
-    """HEAD commit of the git checkout holding ``path`` (default: this package), with ``-dirty``."""
-    cwd = Path(path) if path is not None else Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return f"{head}-dirty" if dirty else head or None
-
-
-# --------------------------------------------------------------------------------------------
 # jsonl files
 # --------------------------------------------------------------------------------------------
 
@@ -333,7 +294,7 @@ class Tracker:
     ) -> Tracker:
         """The tracker of a recipe run: W&B project/mode from `cfg.logging`, name and group from the
         config file and output dir; the run config is the whole config plus `facts` (what really
-        runs), the package versions and the git commit."""
+        runs, and what made the run: run/provenance.py)."""
         out, recipe = Path(cfg.run.output_dir), Path(cfg.config_path or "run").stem
         return cls(
             accelerator,
@@ -342,7 +303,7 @@ class Tracker:
             mode=cfg.logging.wandb_mode,
             run_name=cfg.run.name or f"{recipe}-{out.name}",
             group=cfg.run.group or recipe,
-            run_config={**cfg.to_dict(), **facts, "packages": package_versions(), "git_commit": git_commit()},
+            run_config={**cfg.to_dict(), **facts},
             run_id=run_id,
             resume_step=resume_step,
         )

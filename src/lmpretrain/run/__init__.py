@@ -5,6 +5,7 @@ from lmpretrain.run import runtime
 from lmpretrain.run.distributed import check_replicas_identical
 from lmpretrain.run.fingerprint import check_fingerprint, run_fingerprint
 from lmpretrain.run.preemption import PreemptionHandler
+from lmpretrain.run.provenance import provenance
 from lmpretrain.run.rng import LoopRNG
 from lmpretrain.run.runlock import run_lock
 from lmpretrain.run.train_state import TrainState
@@ -15,6 +16,7 @@ __all__ = [
     "TrainState",
     "check_fingerprint",
     "check_replicas_identical",
+    "provenance",
     "run_fingerprint",
     "run_lock",
     "runtime",

@@ -50,18 +50,24 @@ class LossWindow:
         self.losses.extend(float(x) for x in losses)
 
 
+def guard_problems(train_cfg, *, engine_steps: bool) -> list[str]:
+    """What the guard cannot do with this backend (`engine_steps`: DeepSpeed steps inside backward)."""
+    if train_cfg.skip_spikes and engine_steps:
+        return [
+            "train.skip_spikes cannot run under DeepSpeed: its engine applies the update inside the last "
+            "micro-batch's backward, before the step's loss is known. Launch without DeepSpeed (DDP/FSDP) or "
+            "set --train.skip_spikes=false"
+        ]
+    return []
+
+
 class UpdateGuard:
     """Decides per step whether the update is applied, and stops the run after too many skips in a row."""
 
     def __init__(self, train_cfg, *, engine_steps: bool = False):
-        if train_cfg.skip_spikes and engine_steps:
-            raise ConfigError(
-                [
-                    "train.skip_spikes cannot run under DeepSpeed: its engine applies the update inside the "
-                    "last micro-batch's backward, before the step's loss is known. Launch without DeepSpeed "
-                    "(DDP/FSDP) or set --train.skip_spikes=false"
-                ]
-            )
+        problems = guard_problems(train_cfg, engine_steps=engine_steps)
+        if problems:
+            raise ConfigError(problems)
         self.max_skipped = train_cfg.max_skipped_steps
         self.sigma = train_cfg.spike_sigma if train_cfg.skip_spikes else None
         # Half a window before judging: the mean and std of a few losses are too noisy to skip on.

@@ -1,0 +1,67 @@
+"""One pre-flight pass: every problem that can be found before any work, reported together.
+
+The config's own rules (config.config_problems), the model config built from it, what the model and the
+tokenizer must agree on, the kernels and losses this machine can run, what the model class must offer for
+the switches that are on (docs/models.md), and what the launch backend cannot host. Checks that need the
+built model (its logits and masks on a few tokens) run right after the build (LMObjective.install).
+"""
+
+from __future__ import annotations
+
+from lmpretrain.checkpoint.checkpointer import checkpoint_problems
+from lmpretrain.config import Config, config_problems
+from lmpretrain.errors import ConfigError
+from lmpretrain.model.build import build_model_config, causal_lm_class, contract_problems
+from lmpretrain.model.speed import kernel_problems
+from lmpretrain.update.guard import guard_problems
+
+
+def preflight(cfg: Config, sharding: str, world_size: int, tokenizer):
+    """The model config of the run, or one ConfigError listing every problem found."""
+    problems = config_problems(cfg, world_size)
+    model_config = None
+    try:
+        model_config = build_model_config(cfg.model, tokenizer)
+    except ConfigError as err:
+        problems += err.problems
+    if model_config is not None:
+        problems += model_problems(cfg, model_config, tokenizer)
+        problems += kernel_problems(cfg, model_config)
+        problems += contract_problems(cfg, causal_lm_class(model_config), sharding)
+    problems += backend_problems(cfg, sharding)
+    if problems:
+        raise ConfigError(problems, source=cfg.config_path or "config")
+    return model_config
+
+
+def model_problems(cfg: Config, model_config, tokenizer) -> list[str]:
+    """Rules that need the model config and tokenizer: context length and vocabulary."""
+    p: list[str] = []
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if positions is not None and cfg.data.seq_len > positions:
+        p.append(
+            f"data.seq_len={cfg.data.seq_len} exceeds the model's {positions} positions "
+            f"(raise model.overrides.max_position_embeddings / n_positions, or lower data.seq_len)"
+        )
+    vocab = len(tokenizer)
+    if vocab > model_config.vocab_size:
+        p.append(
+            f"tokenizer '{cfg.data.tokenizer}' has {vocab} tokens but the model's vocab_size is "
+            f"{model_config.vocab_size}; set model.overrides.vocab_size >= {vocab}"
+        )
+    if tokenizer.eos_token_id is None:
+        p.append(f"tokenizer '{cfg.data.tokenizer}' has no EOS token; documents cannot be separated")
+    if getattr(model_config, "output_router_logits", False):
+        p.append(
+            "model.overrides.output_router_logits=true asks for the router's load-balancing loss, which the "
+            "recipe's loss (the language-model loss only) would silently leave out; set it to false"
+        )
+    return p
+
+
+def backend_problems(cfg: Config, sharding: str) -> list[str]:
+    """Settings the launch backend (accelerate config) cannot host."""
+    deepspeed = sharding.startswith("deepspeed")
+    return guard_problems(cfg.train, engine_steps=deepspeed) + checkpoint_problems(
+        cfg.checkpoint.format, cfg.checkpoint.async_save, deepspeed=deepspeed
+    )

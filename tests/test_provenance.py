@@ -1,0 +1,49 @@
+"""A run records what trained it: recipe path and hash, commit and dirty flag, package versions."""
+
+import hashlib
+import shutil
+import subprocess
+
+import pytest
+
+from lmpretrain.run.provenance import provenance
+
+
+def test_provenance_outside_a_checkout(tmp_path):
+    recipe = tmp_path / "my_recipe.py"
+    recipe.write_text("print('fork')\n")
+    made = provenance(recipe)
+    assert made["recipe"] == str(recipe.resolve())
+    assert made["recipe_sha256"] == hashlib.sha256(b"print('fork')\n").hexdigest()
+    assert made["git_commit"] is None and made["git_dirty"] is None
+    assert set(made["versions"]) == {"python", "torch", "transformers", "accelerate", "datasets"}
+    assert made["versions"]["torch"] and made["versions"]["transformers"]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs the git command")
+def test_provenance_names_the_commit_and_whether_the_checkout_is_dirty(tmp_path):
+    git = [
+        "git",
+        "-C",
+        str(tmp_path),
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@t",
+        "-c",
+        "commit.gpgsign=false",
+    ]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    recipe = tmp_path / "pretrain.py"
+    recipe.write_text("1\n")
+    subprocess.run([*git, "add", "pretrain.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run(
+        [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    clean = provenance(recipe)
+    assert (clean["git_commit"], clean["git_dirty"]) == (head, False)
+    recipe.write_text("2\n")
+    dirty = provenance(recipe)
+    assert (dirty["git_commit"], dirty["git_dirty"]) == (head, True)
+    assert dirty["recipe_sha256"] != clean["recipe_sha256"]

@@ -304,9 +304,14 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     say(f"sample: {sample!r}")
 
 
-if __name__ == "__main__":
+def cli(sections: dict | None = None, objective=LMObjective) -> None:
+    """The command line: main(sys.argv[1:]), then exit the process (a fork's entry point calls this too)."""
     try:
-        main(sys.argv[1:])
+        main(sys.argv[1:], sections, objective)
     except UserError as err:  # a problem to fix, not a bug: one message, no traceback
         runtime.exit_process(report_user_error(err))
     runtime.exit_process(0)  # see exit_process: a clean exit that gloo's threads cannot abort
+
+
+if __name__ == "__main__":
+    cli()

@@ -58,11 +58,17 @@ def env_for_runs(extra: dict | None = None) -> dict:
 
 
 def command(
-    out_dir, *overrides, launch: str | None = "cpu", launch_args=(), config=SMOKE, launcher=None
+    out_dir,
+    *overrides,
+    launch: str | None = "cpu",
+    launch_args=(),
+    config=SMOKE,
+    launcher=None,
+    recipe=RECIPE,
 ) -> list[str]:
     """`launch=None` runs plain python; otherwise `accelerate launch --config_file configs/accelerate/<launch>.yaml`
-    (`launcher=LAUNCHER`: the README's `python -m lmpretrain.launch`, same arguments)."""
-    recipe = [str(RECIPE), str(config), f"--run.output_dir={out_dir}", *overrides]
+    (`launcher=LAUNCHER`: the README's `python -m lmpretrain.launch`, same arguments); `recipe`: a fork's."""
+    recipe = [str(recipe), str(config), f"--run.output_dir={out_dir}", *overrides]
     if launch is None:
         return [sys.executable, *recipe]
     cfg = ROOT / "configs" / "accelerate" / f"{launch}.yaml"
@@ -106,9 +112,16 @@ def run(
     check=True,
     config=SMOKE,
     launcher=None,
+    recipe=RECIPE,
 ) -> Run:
     cmd = command(
-        out_dir, *overrides, launch=launch, launch_args=launch_args, config=config, launcher=launcher
+        out_dir,
+        *overrides,
+        launch=launch,
+        launch_args=launch_args,
+        config=config,
+        launcher=launcher,
+        recipe=recipe,
     )
     return run_command(cmd, out_dir, env=env, timeout=timeout, check=check)
 

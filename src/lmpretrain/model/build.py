@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -63,15 +66,25 @@ def build_model_config(model_cfg, tokenizer=None) -> PretrainedConfig:
 
 def import_model_modules(model_cfg) -> None:
     """Import `model.imports` (a fork's modules, whose AutoConfig/AutoModelForCausalLM.register calls then
-    take effect) before the model config is built; a module that cannot be imported is a ConfigError."""
+    take effect) before the model config is built: module names, or paths of .py files (imported under
+    their file name). One that cannot be imported is a ConfigError."""
     problems = []
     for name in model_cfg.imports:
         try:
-            importlib.import_module(name)
+            if name.endswith(".py"):
+                path = Path(name).expanduser().resolve()
+                spec = importlib.util.spec_from_file_location(path.stem, path)
+                if spec is None or not path.is_file():
+                    raise ImportError(f"no such file: {path}")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[path.stem] = module  # as an import would: pickles and repeated imports find it
+                spec.loader.exec_module(module)
+            else:
+                importlib.import_module(name)
         except ImportError as err:
             problems.append(
-                f"model.imports: cannot import {name!r} ({err}); give an importable module name (on "
-                f"PYTHONPATH or next to the recipe)"
+                f"model.imports: cannot import {name!r} ({err}); give a module name on PYTHONPATH or the "
+                f"path of a .py file"
             )
     if problems:
         raise ConfigError(problems)

@@ -1,0 +1,180 @@
+"""A fork adds files, never edits ours (docs/forking.md): a custom architecture through model.imports,
+an extra loss term with a config section of its own, an auxiliary module left out of the export."""
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+import recipe_runner as rr
+from lmpretrain.config import load_config
+from lmpretrain.data import TrainStream, load_tokenizer
+from lmpretrain.errors import ConfigError
+from lmpretrain.model import build_model, build_model_config, make_labels
+
+FORKS = Path(__file__).parent / "forks"
+sys.path.insert(0, str(FORKS))
+from pretrain_mtp import MTPConfig, MTPObjective  # noqa: E402
+
+TINYBLOCK = FORKS / "tinyblock.py"
+
+
+# ---- a fork's own config section ----------------------------------------------------------------------------
+
+
+def test_a_fork_section_gets_overrides_type_checks_and_did_you_mean(tmp_path):
+    cfg = load_config([str(rr.SMOKE), "--mtp.weight=0.5"], sections={"mtp": MTPConfig})
+    assert cfg.mtp.weight == 0.5
+    assert cfg.to_dict()["mtp"] == {"weight": 0.5}  # what config.yaml and W&B's config receive
+    assert load_config([str(rr.SMOKE)], sections={"mtp": MTPConfig}).mtp.weight == 0.1  # the default
+    with pytest.raises(ConfigError) as err:
+        load_config([str(rr.SMOKE), "--mtp.wieght=1", "--mtp.weight=heavy"], sections={"mtp": MTPConfig})
+    assert err.value.problems == [
+        "unknown key 'mtp.wieght'; did you mean 'weight'?",
+        "mtp.weight: expected float, got 'heavy' (str)",
+    ]
+    with pytest.raises(ConfigError, match="unknown key 'mtp'"):  # the recipe itself has no such section
+        load_config([str(rr.SMOKE), "--mtp.weight=0.5"])
+    with pytest.raises(ConfigError, match="cannot reuse the name of a built-in one: train"):
+        load_config([str(rr.SMOKE)], sections={"train": MTPConfig})
+
+
+# ---- an extra loss term: trained, reduced over ranks and micro-batches, logged, equal to a hand computation ---
+
+
+@pytest.fixture(scope="module")
+def mtp_run(tmp_path_factory):
+    """The MTP fork on 2 gloo ranks x micro-batch 2 x accumulation 2, float64, a checkpoint after each step."""
+    return rr.run(
+        tmp_path_factory.mktemp("mtp") / "run",
+        *rr.QUICK,
+        "--mtp.weight=0.3",
+        "--train.max_steps=2",
+        "--optim.warmup_steps=1",
+        "--train.micro_batch_size=2",
+        "--train.grad_accum_steps=2",
+        "--train.param_dtype=float64",
+        "--checkpoint.every=1",
+        "--checkpoint.keep_last=3",
+        "--eval.every=0",
+        "--logging.every=1",
+        "--logging.wandb_mode=disabled",
+        launch="cpu-ddp",
+        recipe=FORKS / "pretrain_mtp.py",
+    )
+
+
+@pytest.mark.slow
+def test_an_extra_term_equals_its_hand_computation_on_2_ranks_with_accumulation(mtp_run):
+    """Step 2's logged terms, recomputed here from step 1's checkpoint and step 2's global batch."""
+    out = mtp_run.out
+    cfg = load_config([str(out / "config.yaml")], sections={"mtp": MTPConfig})
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(build_model_config(cfg.model, tokenizer), dtype="float64")
+    objective = MTPObjective.from_config(cfg, tokenizer.eos_token_id)
+    objective.install(model)
+    saved = load_file(out / "checkpoints" / "step-00000001" / "model.safetensors")
+    assert "mtp_proj.weight" in saved  # the auxiliary module is checkpointed
+    missing, unexpected = model.load_state_dict(saved, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}  # tied to the input embedding
+    stream = TrainStream(
+        cfg.data, tokenizer, blocks_per_step=cfg.global_batch(2), rank=0, world_size=1, seed=1337
+    )
+    batches = iter(stream)
+    next(batches)
+    ids = next(batches).input_ids  # step 2's global batch, all 8 rows
+    stream.close()
+    labels = make_labels(ids)
+    with torch.no_grad():
+        terms = objective(model, ids, labels)
+    by_hand = {name: (term.sum / term.count).item() for name, term in terms.items()}
+    logged = next(r for r in mtp_run.metrics() if r["step"] == 2)
+    assert logged["train/mtp"] == pytest.approx(by_hand["mtp"], rel=1e-10)
+    assert logged["train/loss"] == pytest.approx(by_hand["loss"], rel=1e-10)
+    assert "| mtp " in mtp_run.output  # the console line shows the term
+    assert yaml.safe_load((out / "config.yaml").read_text())["mtp"] == {"weight": 0.3}
+
+
+@pytest.mark.slow
+def test_an_auxiliary_module_is_left_out_of_the_export(mtp_run):
+    model, info = LlamaForCausalLM.from_pretrained(mtp_run.out / "final", output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    assert not any("mtp" in name for name, _ in model.named_parameters())
+
+
+@pytest.mark.slow
+def test_runs_record_which_recipe_and_commit_trained_them(mtp_run):
+    made = yaml.safe_load((mtp_run.out / "config.yaml").read_text())["provenance"]
+    assert made["recipe"] == str(FORKS / "pretrain_mtp.py")
+    assert made["recipe_sha256"] == rr.file_sha256(FORKS / "pretrain_mtp.py")
+    assert set(made["versions"]) == {"python", "torch", "transformers", "accelerate", "datasets"}
+    meta = yaml.safe_load((mtp_run.out / "checkpoints" / "step-00000002" / "meta.json").read_text())
+    assert meta["provenance"] == made
+
+
+# ---- a custom architecture, registered by a module the config names ------------------------------------------
+
+
+def tinyblock_config(tmp_path) -> Path:
+    """configs/smoke.yaml with the model section of a `tinyblock`, the architecture of tests/forks/tinyblock.py."""
+    cfg = yaml.safe_load(rr.SMOKE.read_text())
+    cfg["model"] = {
+        "type": "tinyblock",
+        "imports": [str(TINYBLOCK)],
+        "overrides": {
+            "vocab_size": 8192,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+        },
+    }
+    path = tmp_path / "tinyblock.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow
+def test_a_custom_model_trains_resumes_bit_identically_after_kill_9_exports_and_loads(tmp_path):
+    config = tinyblock_config(tmp_path)
+    args = [*rr.QUICK, "--train.max_steps=12", "--checkpoint.every=4", "--eval.every=4"]
+    straight = rr.run(tmp_path / "straight", *args, config=config)
+    assert "TinyBlockForCausalLM" in straight.output
+    out = tmp_path / "killed"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = rr.start(out, *args, config=config, log=log)
+        rr.wait_for_step(proc, out, 6)
+        rr.kill_tree(proc, signal.SIGKILL)
+        proc.wait(timeout=120)
+    assert rr.read_metrics(out)[-1]["step"] < 12, "the run finished before it could be killed"
+    resumed = rr.run(out, *args, config=config)
+    assert "resumed from" in resumed.output
+    assert rr.file_sha256(straight.out / "final" / "model.safetensors") == rr.file_sha256(
+        out / "final" / "model.safetensors"
+    )
+    import tinyblock  # noqa: F401  (registers the architecture, as model.imports did in the run)
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert type(model).__name__ == "TinyBlockForCausalLM"
+    assert rr.rel_diff(dict(model.state_dict()), resumed.weights()) == 0
+
+
+def test_an_unknown_model_type_names_the_nearest_and_how_to_register(tmp_path):
+    run = rr.run(tmp_path / "x", "--model.type=lama", check=False, launch=None)
+    assert run.returncode == 2
+    assert "model.type='lama' is not a registered model type (nearest: llama" in run.output
+    assert "AutoModelForCausalLM.register in a module and list it in model.imports" in run.output
+
+
+def test_a_missing_piece_of_the_model_contract_is_named_before_any_work(tmp_path):
+    run = rr.run(
+        tmp_path / "x", "--train.activation_checkpointing=true", config=tinyblock_config(tmp_path), check=False,
+        launch=None,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "TinyBlockForCausalLM.supports_gradient_checkpointing is not true" in run.output
+    assert "parameters; optimizer groups" not in run.output  # refused before the model was built

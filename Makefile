@@ -1,13 +1,13 @@
 # Two commands on a fresh machine with Python >= 3.10 and pip:
 #   make pretrain   set up .venv, build the default corpus + tokenizer, train configs/default.yaml offline
-#   make test       set up .venv, run the test suite
+#   make test       set up .venv, run the test suite (make test-fast: unit tests only)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC := $(shell nproc 2>/dev/null || echo 1)
 
-.PHONY: setup pretrain smoke test benchmark lint clean
+.PHONY: setup pretrain smoke test test-fast benchmark lint clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ smoke: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The quick lane: unit tests only (no test marked slow, i.e. none that launches the recipe or several processes).
+test-fast: setup
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 benchmark: setup
 	$(BIN)/python scripts/benchmark.py configs/default.yaml

@@ -435,6 +435,7 @@ CRASH_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["mid-write", "before-rename", "async-write"])
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, where):
     script = tmp_path / "child.py"
@@ -501,6 +502,7 @@ EXPORT_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_an_interrupted_export_leaves_the_previous_final_complete(tmp_path, stdlib_cache):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -730,6 +732,7 @@ def two_rank_checkpoints(tmp_path_factory):
     return out, [json.loads((out / f"result-{rank}.json").read_text()) for rank in range(2)]
 
 
+@pytest.mark.slow
 def test_two_ranks_save_and_get_back_their_own_rng_data_weights_and_moments(two_rank_checkpoints):
     out, results = two_rank_checkpoints
     for rank, r in enumerate(results):
@@ -753,6 +756,7 @@ def test_two_ranks_save_and_get_back_their_own_rng_data_weights_and_moments(two_
     ]
 
 
+@pytest.mark.slow
 def test_a_save_failing_on_one_rank_raises_on_both(two_rank_checkpoints):
     out, results = two_rank_checkpoints
     assert results[0]["failed"].startswith("another rank failed to start step-00000003")

@@ -44,6 +44,8 @@ import json, resource, sys
 from lmpretrain.config import DataConfig
 from lmpretrain.data import SourceSpec, TrainStream
 from lmpretrain.data.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
 data = DataConfig(train=[SourceSpec(files=[sys.argv[1]])], seq_len=256, num_streams=8)
 ts = TrainStream(data, load_tokenizer("builtin:python-stdlib"), blocks_per_step=16, rank=0, world_size=1, seed=0)
 it = iter(ts)

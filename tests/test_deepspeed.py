@@ -13,6 +13,8 @@ import torch
 
 import recipe_runner as rr
 
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
+
 DS = "deepspeed-zero2"
 TWO = ["--num_processes", "2"]
 # The DDP run of the two_ranks_accum2 fixture, under ZeRO-2 (float64 weights, float32 master copies).

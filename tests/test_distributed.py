@@ -12,6 +12,8 @@ import yaml
 
 import recipe_runner as rr
 
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
+
 EXACT = rr.EXACT
 
 

@@ -3,10 +3,13 @@ accelerate launch's arguments): a diverging run skips its non-finite updates, ne
 non-finite weights and stops with exit 2; every user error ends on its one message, with no traceback.
 """
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 import recipe_runner as rr
+
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
 
 
 def via_launcher(out_dir, *overrides, launch="cpu", launch_args=()) -> rr.Run:

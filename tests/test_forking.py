@@ -163,6 +163,7 @@ def test_a_custom_model_trains_resumes_bit_identically_after_kill_9_exports_and_
     assert rr.rel_diff(dict(model.state_dict()), resumed.weights()) == 0
 
 
+@pytest.mark.slow
 def test_an_unknown_model_type_names_the_nearest_and_how_to_register(tmp_path):
     run = rr.run(tmp_path / "x", "--model.type=lama", check=False, launch=None)
     assert run.returncode == 2
@@ -170,6 +171,7 @@ def test_an_unknown_model_type_names_the_nearest_and_how_to_register(tmp_path):
     assert "AutoModelForCausalLM.register in a module and list it in model.imports" in run.output
 
 
+@pytest.mark.slow
 def test_a_missing_piece_of_the_model_contract_is_named_before_any_work(tmp_path):
     run = rr.run(
         tmp_path / "x", "--train.activation_checkpointing=true", config=tinyblock_config(tmp_path), check=False,

@@ -19,6 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import recipe_runner as rr
 
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
+
 FSDP = "cpu-fsdp"
 # The DDP run of the two_ranks_accum2 fixture (float64, accumulation 2), plus samples at every eval
 # (greedy: no RNG, so they change nothing) and a checkpoint every 4 steps to resume from (all kept).

@@ -15,6 +15,8 @@ from lmpretrain.config import ModelConfig, load_config
 from lmpretrain.model.build import build_model, build_model_config
 from lmpretrain.preflight import model_problems
 
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
+
 TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64}
 LLAMA_LIKE = {**TINY, "intermediate_size": 64, "num_key_value_heads": 2}
 MODEL_TYPES = {

@@ -18,6 +18,8 @@ from lmpretrain.checkpoint.checkpointer import Checkpointer, checkpoint_problem
 from lmpretrain.run.preemption import PreemptionHandler
 from recipe_runner import launch_two_ranks
 
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 # A training loop in miniature: one optimizer step per iteration, a checkpoint every 3 steps, and the

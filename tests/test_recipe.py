@@ -17,6 +17,8 @@ from lmpretrain.data.tokenizer import load_tokenizer
 from lmpretrain.model.build import build_model_config
 from lmpretrain.update.schedule import lr_factor
 
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
+
 TRAIN_KEYS = {
     "train/loss",
     "train/lr",

@@ -11,6 +11,8 @@ import recipe_runner as rr
 from lmpretrain.analysis.wandb_offline import find_offline_runs, read_offline_run
 from lmpretrain.checkpoint.checkpointer import Checkpointer
 
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
+
 # 2 ranks x micro-batch 4 x accumulation 2, 2 workers per rank, dropout on (so RNG state matters).
 DDP_RUN = [
     *rr.QUICK,

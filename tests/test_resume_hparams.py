@@ -15,6 +15,8 @@ import recipe_runner as rr
 from lmpretrain.config import load_config
 from lmpretrain.update.schedule import learning_rate
 
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
+
 BASE = [
     *rr.QUICK,
     "--optim.schedule=wsd",  # 20 steps, decay_fraction 0.2: stable until update 16, then decays

@@ -22,6 +22,8 @@ import recipe_runner as rr
 from lmpretrain.config import OptimConfig
 from lmpretrain.update.optim import build_optimizer
 
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
+
 # float64 so that a real difference is not hidden by fp32 summation noise (which Adam amplifies to
 # ~1e-5 in 10 steps); one thread so a busy machine does not stall the ranks' OpenMP barriers.
 EXACT = [

@@ -7,6 +7,8 @@ import pytest
 
 import recipe_runner as rr
 
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
+
 SECRET = "wandb-test-secret-0123456789abcdef0123456789"
 SHORT = [*rr.QUICK, "--train.max_steps=8", "--eval.every=4", "--checkpoint.every=4"]
 

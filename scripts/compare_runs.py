@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Compare runs locally, without a W&B server.
 
-    python scripts/compare_runs.py runs/a runs/b [--plot loss.png] [--assert-close 1e-4] [--wandb]
+    python scripts/compare_runs.py runs/a runs/b [--keys train/mtp ...] [--plot loss.png] [--assert-close 1e-4] [--wandb]
 
-Prints a table (steps, final train loss, final/best eval loss, median tokens/s, wall time) and the
-config keys that differ, writes a PNG of loss vs tokens seen (default ``compare_runs.png``), and with
+Prints a table (steps, final train loss, final/best eval loss, median tokens/s, wall time, and the last
+value of each metric named by --keys) and the config keys that differ (what trained each run included:
+recipe file and hash, commit, package versions), writes a PNG of loss vs tokens seen (default ``compare_runs.png``), and with
 ``--assert-close TOL`` exits 1 when two runs' train-loss curves differ by more than TOL at a common
 step (for CI regression checks). Reads ``metrics.jsonl``, or the offline W&B files with ``--wandb``.
 """
@@ -38,10 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wandb", action="store_true", help="read the offline W&B files instead of metrics.jsonl"
     )
+    parser.add_argument(
+        "--keys",
+        nargs="+",
+        default=[],
+        metavar="KEY",
+        help="more metrics to show, e.g. train/z_loss eval/ppl",
+    )
     args = parser.parse_args(argv)
 
     runs = load_runs(args.run_dirs, source="wandb" if args.wandb else "metrics")
-    print(format_table([summarize(r) for r in runs]))
+    keys = tuple(args.keys)
+    print(format_table([summarize(r, keys) for r in runs], keys))
     print()
     print(format_config_diff(runs, config_diff(runs)))
     print()

@@ -159,3 +159,23 @@ def test_wandb_source_reads_real_offline_runs(tmp_path, monkeypatch):
     result = compare(*run_dirs, "--wandb", "--plot", png, "--assert-close", "1e-3")
     assert result.returncode == 1 and "max |diff| of train/loss = 0.002" in result.stdout
     assert png.stat().st_size > 10_000
+
+
+def test_keys_add_any_logged_metric_and_the_diff_shows_what_trained_each_run(tmp_path):
+    runs = []
+    for name, (mtp, commit) in {"a": (2.5, "abc"), "b": (2.25, "def")}.items():
+        path = make_run_dir(tmp_path / name, lr=1e-3)
+        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        rows[-1]["train/mtp"] = mtp  # a fork's extra term, logged by the recipe as train/<name>
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        config = yaml.safe_load((path / "config.yaml").read_text())
+        config["provenance"] = {"recipe": f"recipes/{name}.py", "git_commit": commit}
+        (path / "config.yaml").write_text(yaml.safe_dump(config))
+        runs.append(path)
+    result = compare(*runs, "--keys", "train/mtp", "--plot", tmp_path / "p.png")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[-1] == "train/mtp"
+    assert lines[2].split()[-1] == "2.5" and lines[3].split()[-1] == "2.25"
+    assert any(line.startswith("provenance.git_commit") and "abc" in line and "def" in line for line in lines)
+    assert any(line.startswith("provenance.recipe") for line in lines)

@@ -99,8 +99,9 @@ def _series(run: Run, key: str) -> list[tuple[int, float]]:
     return [(r["step"], float(r[key])) for r in run.rows if r.get(key) is not None]
 
 
-def summarize(run: Run) -> dict:
-    """Steps, final train loss, final/best eval loss, median tokens/s, wall time of a run."""
+def summarize(run: Run, keys: tuple[str, ...] = ()) -> dict:
+    """Steps, final train loss, final/best eval loss, median tokens/s, wall time of a run, and the last
+    logged value of each of `keys` (any metric: a fork's `train/<term>`, `eval/...`)."""
     train, evals = _series(run, LOSS_KEY), _series(run, EVAL_KEY)
     tps = [v for _, v in _series(run, "perf/tokens_per_s")]
     stamps = [r["_timestamp"] for r in run.rows if "_timestamp" in r]
@@ -113,11 +114,12 @@ def summarize(run: Run) -> dict:
         "tokens_per_s_median": statistics.median(tps) if tps else None,
         # first to last logged step; includes any pause between a stop and its resume
         "wall_time_s": stamps[-1] - stamps[0] if len(stamps) > 1 else None,
+        **{key: (_series(run, key) or [(None, None)])[-1][1] for key in keys},
     }
 
 
-def format_table(summaries: list[dict]) -> str:
-    """A fixed-width text table of :func:`summarize` results."""
+def format_table(summaries: list[dict], keys: tuple[str, ...] = ()) -> str:
+    """A fixed-width text table of :func:`summarize` results (`keys`: the extra metrics asked for)."""
     cols = [
         ("run", "run", "{}"),
         ("steps", "steps", "{}"),
@@ -126,6 +128,7 @@ def format_table(summaries: list[dict]) -> str:
         ("best_eval_loss", "best eval loss", "{:.4f}"),
         ("tokens_per_s_median", "tokens/s (median)", "{:.0f}"),
         ("wall_time_s", "wall time (s)", "{:.1f}"),
+        *((key, key, "{:.4g}") for key in keys),
     ]
     cells = [[title for _, title, _ in cols]]
     for s in summaries:

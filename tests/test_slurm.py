@@ -33,7 +33,8 @@ SRUN = textwrap.dedent("""\
 """)
 SCONTROL = textwrap.dedent("""\
     #!/bin/bash
-    if [ "$1" = show ]; then echo node-a; echo node-b; exit 0; fi
+    # The second host comes late: a reader that stops at the first line must not fail the script.
+    if [ "$1" = show ]; then echo node-a; sleep 0.2; echo node-b; exit 0; fi
     printf '%s\\n' "$*" >> "$CALLS/scontrol"
 """)
 

@@ -194,10 +194,10 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     }
     if resume_from:
         saved = checkpointer.metadata(resume_from)
-        for warning in check_fingerprint(
+        for line in check_fingerprint(
             saved["fingerprint"], fingerprint, allow_mismatch=cfg.run.allow_mismatch, lr=cfg.optim.lr
         ):
-            say(f"WARNING: {warning}")
+            say(line)
         checkpointer.load(resume_from, model=model, optimizer=optimizer, states=states)
         say(f"resumed from {resume_from} at step {state.step}")
         if resume_from.parent.parent.resolve() != out.resolve():  # a branch into another output dir
@@ -282,10 +282,10 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
             progress.write(format_log_line(state.step, metrics, cfg.train.max_steps, terms=step["terms"]))
         stop = preemption.should_stop(accelerator)
         checkpointer.poll()  # commits a background save once every rank has written it
-        # 8. checkpoint. Not periodically while updates are being skipped: a diverging run must not
-        # rotate its last good checkpoints out (keep_last) for copies of the weights it stalled on.
+        # 8. checkpoint. Not periodically (nor at the end) while updates are being skipped: a diverging run
+        # must not rotate its last good checkpoints out (keep_last) for copies of the weights it stalled on.
         periodic = cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0 and not guard.consecutive
-        if stop or final_step or periodic:
+        if stop or periodic or (final_step and not guard.consecutive):
             save_checkpoint()
         if stop:
             checkpointer.wait()
@@ -293,6 +293,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
             return
     progress.close()
     checkpointer.wait()
+    guard.check_finished(state.step, state.eval_loss)  # skipping at the end or a non-finite eval: exit 2
 
     # ---- Finish: export model + tokenizer for from_pretrained / pipeline() -------------------------
     train_data.close()

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import recipe_runner as rr
 from lmpretrain.checkpoint.checkpointer import (
     MARKER_FILE,
     Checkpointer,
@@ -24,8 +25,17 @@ from lmpretrain.checkpoint.checkpointer import (
     check_output_dir_writable,
     checkpoint_problem,
 )
+from lmpretrain.config import config_problems, load_config
+from lmpretrain.data import TrainStream, load_tokenizer
 from lmpretrain.errors import CheckpointMismatchError
-from lmpretrain.run.fingerprint import check_fingerprint
+from lmpretrain.model import build_model_config
+from lmpretrain.run.fingerprint import (
+    FINGERPRINT_NAMES,
+    SILENT_FINGERPRINT_KEYS,
+    allow_mismatch_problems,
+    check_fingerprint,
+    run_fingerprint,
+)
 from lmpretrain.run.rng import LoopRNG, capture_rng_state, restore_rng_state
 from lmpretrain.run.train_state import TrainState
 from recipe_runner import launch_two_ranks
@@ -587,7 +597,7 @@ SAVED_FP = {
 }
 
 
-def test_fingerprint_mismatch_names_every_key_and_the_override():
+def test_fingerprint_mismatch_names_every_key_and_the_exact_flag():
     current = {
         **SAVED_FP,
         "seq_len": 256,
@@ -596,34 +606,73 @@ def test_fingerprint_mismatch_names_every_key_and_the_override():
         "tokenizer": "bpe-1k",
     }
     with pytest.raises(CheckpointMismatchError) as err:
-        check_fingerprint(SAVED_FP, current, allow_mismatch=False)
+        check_fingerprint(SAVED_FP, current)
     message = str(err.value)
     assert "seq_len: 128 -> 256" in message
     assert "model.hidden_size: 32 -> 64" in message
     assert "tokenizer: '<absent>' -> 'bpe-1k'" in message
-    assert "--run.allow_mismatch=true" in message
+    assert "'--run.allow_mismatch=[model.hidden_size,seq_len,tokenizer]'" in message
     assert "num_workers" not in message and "layers" not in message
-    warnings = check_fingerprint(SAVED_FP, current, allow_mismatch=True)
-    assert len(warnings) == 3 and all("--run.allow_mismatch=true" in w for w in warnings)
+    lines = check_fingerprint(SAVED_FP, current, allow_mismatch=["model.hidden_size", "seq_len", "tokenizer"])
+    assert len(lines) == 3 and all(
+        line.startswith("WARNING: resuming across a fingerprint") for line in lines
+    )
+    assert check_fingerprint(SAVED_FP, current, allow_mismatch=["model", "seq_len", "tokenizer"]) == lines
+
+
+def test_allow_mismatch_waives_only_the_differences_it_names():
+    current = {**SAVED_FP, "seq_len": 256, "tokenizer": "bpe-1k"}
+    with pytest.raises(CheckpointMismatchError) as err:
+        check_fingerprint(SAVED_FP, current, allow_mismatch=["seq_len"])
+    message = str(err.value)
+    assert "tokenizer: '<absent>' -> 'bpe-1k'" in message and "seq_len" not in message
+    assert "'--run.allow_mismatch=[tokenizer]'" in message
+
+
+def test_allow_mismatch_names_are_checked_with_the_config():
+    assert allow_mismatch_problems(["micro_batch_size", "model.hidden_size", "seq_len"]) == []
+    (problem,) = allow_mismatch_problems(["seq_len", "everything"])
+    assert "unknown name(s) 'everything'" in problem and "micro_batch_size" in problem
+    cfg = load_config([str(rr.SMOKE), "--run.allow_mismatch=[micro_bach_size]"])
+    assert any("'micro_bach_size'" in p for p in config_problems(cfg, 1))
+
+
+def test_fingerprint_names_are_the_entries_of_a_real_fingerprint(tmp_path):
+    cfg = load_config([str(rr.SMOKE), "--data.num_workers=0"])
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    stream = TrainStream(
+        cfg.data, tokenizer, blocks_per_step=cfg.global_batch(1), rank=0, world_size=1, seed=1
+    )
+    fingerprint = run_fingerprint(cfg, 1, stream.fingerprint(), build_model_config(cfg.model, tokenizer))
+    assert set(fingerprint) - SILENT_FINGERPRINT_KEYS == set(FINGERPRINT_NAMES)
 
 
 def test_fingerprint_equal_or_only_num_workers_is_silent():
-    assert check_fingerprint(SAVED_FP, dict(SAVED_FP), allow_mismatch=False) == []
-    assert check_fingerprint(SAVED_FP, {**SAVED_FP, "num_workers": 8}, allow_mismatch=False) == []
+    assert check_fingerprint(SAVED_FP, dict(SAVED_FP)) == []
+    assert check_fingerprint(SAVED_FP, {**SAVED_FP, "num_workers": 8}) == []
 
 
 def test_global_batch_change_suggests_a_linearly_rescaled_lr():
     current = {**SAVED_FP, "world_size": 4, "global_batch": 16}
-    with pytest.raises(CheckpointMismatchError, match=r"global batch changes 8 -> 16.*x2"):
-        check_fingerprint(SAVED_FP, current, allow_mismatch=False, lr=3e-4)
-    warnings = check_fingerprint(SAVED_FP, current, allow_mismatch=True, lr=3e-4)
-    assert any("8 -> 16" in w and "lr 0.0003 -> 0.0006" in w for w in warnings)
+    with pytest.raises(CheckpointMismatchError, match=r"global batch changes 8 -> 16.*x2") as err:
+        check_fingerprint(SAVED_FP, current, lr=3e-4)
+    assert "'--run.allow_mismatch=[global_batch,world_size]'" in str(err.value)
+    lines = check_fingerprint(SAVED_FP, current, allow_mismatch=["global_batch", "world_size"], lr=3e-4)
+    assert any("8 -> 16" in w and "lr 0.0003 -> 0.0006" in w for w in lines)
 
 
-def test_world_size_change_with_the_same_global_batch_needs_no_rescale():
-    current = {**SAVED_FP, "world_size": 1, "micro_batch_size": 8}
-    warnings = check_fingerprint(SAVED_FP, current, allow_mismatch=True)
-    assert any("global batch stays 8: no learning-rate rescaling" in w for w in warnings)
+def test_another_layout_with_the_same_global_batch_needs_no_flag():
+    for current in (
+        {**SAVED_FP, "world_size": 1, "micro_batch_size": 8},
+        {**SAVED_FP, "world_size": 1, "micro_batch_size": 4, "grad_accum_steps": 2},
+    ):
+        (line,) = check_fingerprint(SAVED_FP, current)
+        assert line.startswith("resuming with another layout (world_size 2 -> 1, ")
+        assert line.endswith("the global batch stays 8, so the data and the trajectory are unchanged")
+    # The layout is free, the rest is still checked.
+    with pytest.raises(CheckpointMismatchError, match=r"allow_mismatch=\[seq_len\]'") as err:
+        check_fingerprint(SAVED_FP, {**SAVED_FP, "world_size": 1, "micro_batch_size": 8, "seq_len": 256})
+    assert "world_size" not in str(err.value).split("note:")[0]
 
 
 # ---- two real processes (gloo) -------------------------------------------------------------------------------

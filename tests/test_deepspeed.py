@@ -5,6 +5,7 @@ partitioned across ranks. These runs prove it trains like DDP, holds half the op
 rank, resumes bit-identically from a kill -9, and that launches it cannot honour are refused.
 """
 
+import math
 import shutil
 import signal
 
@@ -131,14 +132,37 @@ def test_launch_flags_cannot_override_the_recipe_batch(tmp_path):
     assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4 but train.grad_accum_steps=2" in out
 
 
-def test_fp16_is_refused_on_cpu(tmp_path):
-    assert "DeepSpeed has no fp16 on cpu" in refused(tmp_path, "--train.precision=fp16")
+def deepspeed_has_fp16() -> bool:
+    """The probe runtime.py asks before a DeepSpeed fp16 launch (on CPU: oneDNN fp16, e.g. AVX512-FP16/AMX)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().is_fp16_supported()
+
+
+def test_fp16_runs_where_deepspeed_supports_it_and_is_refused_elsewhere(tmp_path):
+    if not deepspeed_has_fp16():
+        assert "DeepSpeed has no fp16 on cpu" in refused(tmp_path, "--train.precision=fp16")
+        return
+    # A CPU with fp16 support (AVX512-FP16 / AMX): the engine's fp16 with its loss scaling runs to the end.
+    run = rr.run(
+        tmp_path / "fp16",
+        *rr.QUICK,
+        "--train.precision=fp16",
+        "--train.max_steps=6",
+        "--eval.every=0",
+        "--logging.wandb_mode=disabled",
+        launch=DS,
+        launch_args=TWO,
+    )
+    assert "done: step 6" in run.output
+    losses = run.losses()
+    assert sorted(losses) == list(range(1, 7)) and all(math.isfinite(x) for x in losses.values()), losses
 
 
 def test_ddp_checkpoint_is_not_resumed_under_deepspeed(tmp_path, two_ranks_accum2):
     out = tmp_path / "from-ddp"
     shutil.copytree(two_ranks_accum2.out, out)
-    msg = refused(tmp_path, *EXACT, "--train.max_steps=12", "--run.allow_mismatch=true", out=out)
+    msg = refused(tmp_path, *EXACT, "--train.max_steps=12", out=out)
     assert "was written without DeepSpeed" in msg
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000010"]  # nothing touched
 

@@ -76,3 +76,47 @@ def test_missing_tokenizer_folder_ends_on_the_message(tmp_path):
     run = via_launcher(tmp_path / "run", "--data.tokenizer=tokenizers/mine")
     assert_ends_on(run, "data.tokenizer: 'tokenizers/mine' is neither a local folder (there is no directory ")
     assert "use builtin:python-stdlib" in run.output.splitlines()[-1]
+
+
+def test_a_run_that_ends_while_skipping_updates_is_diverged_and_exports_nothing(tmp_path):
+    """The issue's reproduction: steps 6-12 skip their updates, fewer than train.max_skipped_steps=10 in a
+    row, and the run reaches max_steps. It used to print "done" and exit 0 with a NaN model in final/."""
+    run = via_launcher(
+        tmp_path / "stalled",
+        "--optim.lr=1e4",
+        "--train.max_grad_norm=0",
+        "--train.max_steps=12",
+        "--checkpoint.every=5",
+        *rr.QUICK,
+        "--logging.wandb_mode=disabled",
+    )
+    assert_ends_on(
+        run,
+        "training diverged: the run reached its last step 12 while skipping updates: those of steps 6-12 "
+        "(7 in a row, fewer than train.max_skipped_steps=10) were all skipped",
+    )
+    assert "Nothing was exported" in run.output and "done:" not in run.output
+    assert not (run.out / "final").exists()
+    rows = {r["step"]: r for r in run.metrics()}
+    assert rows[12]["train/skipped_steps"] == 7 and rows[12]["eval/loss"] != rows[12]["eval/loss"]  # NaN
+    # Neither the periodic save (step 10) nor the final one ran during the streak: step 5's is the last.
+    assert [p.name for p in (run.out / "checkpoints").glob("step-*")] == ["step-00000005"]
+
+
+def test_a_run_whose_final_evaluation_is_not_finite_is_diverged_and_exports_nothing(tmp_path):
+    """Step 5's update is applied (its loss and gradient norm are finite) and leaves weights whose
+    held-out loss is NaN: the guard saw nothing to skip, the final evaluation does."""
+    run = via_launcher(
+        tmp_path / "nan-eval",
+        "--optim.lr=1e4",
+        "--train.max_grad_norm=0",
+        "--train.max_steps=5",
+        *rr.QUICK,
+        "--logging.wandb_mode=disabled",
+    )
+    assert_ends_on(
+        run, "training diverged: the final evaluation at step 5 has loss nan, so the model does not"
+    )
+    assert not (run.out / "final").exists()
+    last = run.metrics()[-1]
+    assert last["step"] == 5 and last["train/skipped_steps"] == 0 and last["train/loss"] == last["train/loss"]

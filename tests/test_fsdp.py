@@ -183,10 +183,9 @@ def test_a_sharded_checkpoint_resumes_on_one_process(fsdp_run, tmp_path):
     for ckpt in (out / "checkpoints").glob("step-*"):
         if ckpt.name != "step-00000004":
             shutil.rmtree(ckpt)
-    one = rr.run(
-        out, *EXACT, "--train.micro_batch_size=4", "--run.allow_mismatch=true", launch="cpu", timeout=TIMEOUT
-    )
+    one = rr.run(out, *EXACT, "--train.micro_batch_size=4", launch="cpu", timeout=TIMEOUT)  # no flag needed
     assert "world_size=1" in one.output and "at step 4" in one.output
+    assert "resuming with another layout (world_size 2 -> 1, micro_batch_size 2 -> 4)" in one.output
     ref = fsdp_run.losses()
     assert [one.losses()[s] for s in range(5, 11)] == pytest.approx([ref[s] for s in range(5, 11)], rel=1e-6)
     assert rr.rel_diff(one.weights(), fsdp_run.weights()) < 1e-6

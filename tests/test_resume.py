@@ -164,14 +164,16 @@ def test_mismatched_resume_is_refused_with_the_differences(straight, tmp_path):
         out, *DDP_RUN, "--data.seq_len=32", "--train.micro_batch_size=8", launch=None, check=False
     )
     assert refused.returncode == 2, refused.output
-    assert "seq_len: 64 -> 32" in refused.output and "world_size: 2 -> 1" in refused.output
-    assert "--run.allow_mismatch=true" in refused.output
+    assert "seq_len: 64 -> 32" in refused.output and "world_size: 2 -> 1" not in refused.output
+    assert "'--run.allow_mismatch=[seq_len]'" in refused.output  # the layout needs no flag
+    assert "world size changes 2 -> 1 but the global batch stays 16" in refused.output
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     assert after == {p: b for p, b in before.items() if p.name != ".lock"}  # a refused resume writes nothing
 
-    # Same global batch on 1 process instead of 2: allowed when asked, and the data continues exactly.
-    moved = rr.run(out, *DDP_RUN, "--train.micro_batch_size=8", "--run.allow_mismatch=true", launch=None)
-    assert "WARNING" in moved.output and "at step 16" in moved.output
+    # Same global batch on 1 process instead of 2: no flag needed, and the data continues exactly.
+    moved = rr.run(out, *DDP_RUN, "--train.micro_batch_size=8", launch=None)
+    assert "at step 16" in moved.output and "fingerprint difference" not in moved.output
+    assert "resuming with another layout (world_size 2 -> 1, micro_batch_size 4 -> 8)" in moved.output
     # Close, not equal: rank 1's dropout masks now come from rank 0's RNG, and sums reassociate.
     # (That the data position carries over exactly across world sizes is tested in test_data.py.)
     tail = moved.losses()

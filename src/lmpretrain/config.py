@@ -76,8 +76,9 @@ class RunConfig:
     """auto: newest valid checkpoint in output_dir; never: start fresh; or a checkpoint path."""
     overwrite: bool = False
     """With resume=never, allow starting fresh in an output_dir that already has checkpoints."""
-    allow_mismatch: bool = False
-    """Resume a checkpoint whose fingerprint (data, model, world size, batch) differs."""
+    allow_mismatch: list[str] = field(default_factory=list)
+    """Names of the fingerprint differences (data, model, batch) to accept at resume, e.g.
+    [micro_batch_size]; a resume that keeps the global batch needs none for world size / batch split."""
     threads: int = 0
     """CPU threads per process; 0 = the cores this process may use divided by local processes."""
     name: str | None = None

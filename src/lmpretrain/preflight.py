@@ -13,12 +13,14 @@ from lmpretrain.config import Config, config_problems
 from lmpretrain.errors import ConfigError
 from lmpretrain.model.build import build_model_config, causal_lm_class, contract_problems
 from lmpretrain.model.speed import kernel_problems
+from lmpretrain.run.fingerprint import allow_mismatch_problems
 from lmpretrain.update.guard import guard_problems
 
 
 def preflight(cfg: Config, sharding: str, world_size: int, tokenizer):
     """The model config of the run, or one ConfigError listing every problem found."""
     problems = config_problems(cfg, world_size)
+    problems += allow_mismatch_problems([n for n in cfg.run.allow_mismatch if n is not None])
     model_config = None
     try:
         model_config = build_model_config(cfg.model, tokenizer)

@@ -69,7 +69,7 @@ from lmpretrain.checkpoint.formats import (
     torch_save_synced,
 )
 from lmpretrain.errors import CheckpointError, ConfigError
-from lmpretrain.run.distributed import any_rank, broadcast_int
+from lmpretrain.run.distributed import any_rank, broadcast_int, broadcast_object
 from lmpretrain.run.preemption import launcher_grace_s
 
 logger = logging.getLogger(__name__)
@@ -345,7 +345,24 @@ class Checkpointer:
 
     def resolve_resume(self, resume: str, overwrite: bool) -> Path | None:
         """``auto``: the newest valid checkpoint or None; ``never``: None (refusing existing
-        checkpoints unless ``overwrite``, which deletes them); otherwise the checkpoint at that path."""
+        checkpoints unless ``overwrite``, which deletes them); otherwise the checkpoint at that path.
+
+        Rank 0 decides and every rank gets its answer (or its error): ranks that listed the directory
+        each on their own could pick different steps on a shared filesystem whose directory listings
+        are cached per node. Every rank must call it."""
+        answer = None
+        if self.state.is_main_process:
+            try:
+                path = self._resolve_resume_here(resume, overwrite)
+                answer = ("path", None if path is None else str(path))
+            except CheckpointError as err:
+                answer = ("error", str(err))
+        kind, value = broadcast_object(answer, self.state)  # the deletions of `never` are done by now
+        if kind == "error":
+            raise CheckpointError(value)
+        return None if value is None else Path(value)
+
+    def _resolve_resume_here(self, resume: str, overwrite: bool) -> Path | None:
         if resume == "auto":
             return self.latest()
         if resume == "never":
@@ -356,14 +373,13 @@ class Checkpointer:
                     f"(newest {existing[0].name}). Resume them with --run.resume=auto, use another output_dir, "
                     f"or pass --run.overwrite=true to delete them and start fresh."
                 )
-            if existing and self.state.is_main_process:
+            if existing:
                 # Left in place, they would be mixed with the new run's (auto-resume could pick them).
                 logger.warning(
                     "run.overwrite=true: deleting %d old checkpoint(s) in %s", len(existing), self.dir
                 )
                 for path in existing:
                     _remove_dir(path)
-            self.state.wait_for_everyone()
             return None
         path = Path(resume)
         problem = checkpoint_problem(path)

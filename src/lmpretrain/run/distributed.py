@@ -31,6 +31,15 @@ def broadcast_int(value: int, state) -> int:
     return int(t.item())
 
 
+def broadcast_object(obj, state):
+    """Rank 0's ``obj`` (a small picklable value: a path, a message) on every rank."""
+    if not _group_active(state):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def replica_digests(model, accelerator) -> list[str]:
     """sha256 of this rank's parameters, gathered from every rank (replicas must agree bit for bit)."""
     from accelerate.utils import gather_object

@@ -1,11 +1,50 @@
 """What a run depends on (data, tokenizer, model, world size, batch) and the resume check against a
-checkpoint's copy: differences are refused, naming each, unless explicitly allowed."""
+checkpoint's copy: differences are refused, naming each, unless `run.allow_mismatch` names them.
+
+The data a step sees and the trajectory depend on the global batch, not on how it is split: the blocks
+of a step are a function of (data, seed, global batch, streams), and the loss is normalised by the
+global batch's target count. So a resume that changes world_size / micro_batch_size /
+grad_accum_steps but keeps the global batch needs no flag.
+"""
 
 from lmpretrain.errors import CheckpointMismatchError
 
-OVERRIDE_FLAG = "--run.allow_mismatch=true"
 # Resuming with a different number of dataloader workers is exact (streams, not workers, hold positions).
 SILENT_FINGERPRINT_KEYS = {"num_workers", "data.num_workers"}
+# How the global batch is split over processes, micro-batches and accumulation: free while it is unchanged.
+LAYOUT_KEYS = ("world_size", "micro_batch_size", "grad_accum_steps")
+# The names run.allow_mismatch accepts: the fingerprint's entries (the data's from TrainStream.fingerprint,
+# then run_fingerprint's). `model` accepts every model difference; `model.<field>` one of them.
+FINGERPRINT_NAMES = (
+    "sources",
+    "tokenizer",
+    "add_bos",
+    "seq_len",
+    "num_streams",
+    "seed",
+    "shuffle",
+    "shuffle_window",
+    "doc_shuffle_window",
+    "data_version",
+    "model",
+    "global_batch",
+    *LAYOUT_KEYS,
+)
+
+
+def allow_mismatch_problems(names: list[str]) -> list[str]:
+    """Config problems of run.allow_mismatch: every name must be a fingerprint entry."""
+    unknown = [n for n in names if n not in FINGERPRINT_NAMES and not n.startswith("model.")]
+    if not unknown:
+        return []
+    return [
+        f"run.allow_mismatch: unknown name(s) {', '.join(map(repr, unknown))}; it takes the names of the "
+        f"resume differences to accept, from: {', '.join(FINGERPRINT_NAMES)}, model.<field>"
+    ]
+
+
+def _accepted(key: str, names) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in names)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -54,39 +93,58 @@ def _batch_advice(saved: dict, current: dict, lr: float | None) -> str | None:
     return None
 
 
-def check_fingerprint(
-    saved: dict, current: dict, *, allow_mismatch: bool, lr: float | None = None
-) -> list[str]:
-    """Compare a checkpoint's fingerprint with this run's; raise naming every difference unless allowed.
+def check_fingerprint(saved: dict, current: dict, *, allow_mismatch=(), lr: float | None = None) -> list[str]:
+    """Compare a checkpoint's fingerprint with this run's; raise naming every difference that
+    ``allow_mismatch`` (names from FINGERPRINT_NAMES) does not accept, and the exact flag that would.
 
-    Nested dicts are compared key by key (``model.hidden_size``). ``num_workers`` may differ silently.
-    When the world size or global batch differs, the message says how to rescale the learning rate
-    (give ``lr`` for a number).
-    Returns the warnings to print when ``allow_mismatch`` is set (empty when nothing differs).
+    Nested dicts are compared key by key (``model.hidden_size``). ``num_workers`` may differ silently;
+    so may the layout keys while the global batch is unchanged. When the world size or global batch
+    differs, the message says how to rescale the learning rate (give ``lr`` for a number).
+    Returns the lines to print (a note on a changed layout, a warning per accepted difference).
     """
     old, new = _flatten(saved), _flatten(current)
     missing = "<absent>"
-    diffs = [
-        f"{key}: {old.get(key, missing)!r} -> {new.get(key, missing)!r}"
+    changed = [
+        key
         for key in sorted(old.keys() | new.keys())
         if key not in SILENT_FINGERPRINT_KEYS
         and key.rsplit(".", 1)[-1] not in SILENT_FINGERPRINT_KEYS
         and old.get(key, missing) != new.get(key, missing)
     ]
-    if not diffs:
-        return []
-    advice = _batch_advice(saved, current, lr)
-    if not allow_mismatch:
-        lines = ["the checkpoint was written by a run that differs from this one:"]
-        lines += [f"  {d}" for d in diffs]
-        if advice:
-            lines.append(f"note: {advice}")
-        lines.append(
-            f"Resume anyway with {OVERRIDE_FLAG}, or start fresh in another output_dir "
-            f"(or with --run.resume=never --run.overwrite=true)."
+    lines = []
+    same_batch = saved.get("global_batch") is not None and saved.get("global_batch") == current.get(
+        "global_batch"
+    )
+    if same_batch and any(key in LAYOUT_KEYS for key in changed):
+        layout = ", ".join(
+            f"{k} {old.get(k, missing)} -> {new.get(k, missing)}" for k in LAYOUT_KEYS if k in changed
         )
-        raise CheckpointMismatchError("\n".join(lines))
-    warnings = [f"resuming across a fingerprint difference ({OVERRIDE_FLAG}): {d}" for d in diffs]
+        lines.append(
+            f"resuming with another layout ({layout}): the global batch stays {current['global_batch']}, "
+            f"so the data and the trajectory are unchanged"
+        )
+        changed = [key for key in changed if key not in LAYOUT_KEYS]
+    if not changed:
+        return lines
+
+    def diff(key):
+        return f"{key}: {old.get(key, missing)!r} -> {new.get(key, missing)!r}"
+
+    refused = [key for key in changed if not _accepted(key, allow_mismatch)]
+    advice = _batch_advice(saved, current, lr)
+    if refused:
+        message = ["the checkpoint was written by a run that differs from this one:"]
+        message += [f"  {diff(key)}" for key in refused]
+        if advice:
+            message.append(f"note: {advice}")
+        message.append(
+            f"Resume anyway with '--run.allow_mismatch=[{','.join(refused)}]' (accepts these differences "
+            f"only), or start fresh in another output_dir (or with --run.resume=never --run.overwrite=true)."
+        )
+        raise CheckpointMismatchError("\n".join(message))
+    lines += [
+        f"WARNING: resuming across a fingerprint difference (run.allow_mismatch): {diff(k)}" for k in changed
+    ]
     if advice:
-        warnings.append(advice)
-    return warnings
+        lines.append(f"WARNING: {advice}")
+    return lines

@@ -3,12 +3,19 @@
 The main process holds a POSIX record lock (``fcntl.lockf``) on ``<output_dir>/.lock`` for the run's
 life. The kernel drops it when the process ends, however it ends (kill -9 included), so a dead run never
 blocks the next one and there is nothing to clean up; forked dataloader workers do not inherit it.
+
+Only EAGAIN/EACCES from ``lockf`` mean another process holds the lock. Some filesystems where multi-node
+runs live (some Lustre and NFS set-ups) have no POSIX locks: ``lockf`` fails with ENOLCK, ENOSYS or
+EOPNOTSUPP there. Then the run warns once that a second run here would not be refused and proceeds,
+still writing its record (pid, host, start time) to the file.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -19,6 +26,27 @@ from lmpretrain.errors import OutputDirInUseError
 from lmpretrain.run.distributed import broadcast_int
 
 LOCK_FILE = ".lock"
+HELD = {errno.EAGAIN, errno.EACCES}  # lockf's answers when another process holds the lock
+
+logger = logging.getLogger(__name__)
+
+
+def _try_lock(fd: int, path: Path) -> bool:
+    """Take the lock; False when another process holds it. A filesystem without POSIX locks (ENOLCK,
+    ENOSYS, EOPNOTSUPP) is warned about and counts as taken: refusing would stop every launch there."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in HELD:
+            return False
+        logger.warning(
+            "cannot lock %s (%s: %s): this filesystem has no POSIX locks, so a second run started in this "
+            "output dir would not be refused; the run goes on, make sure it is the only one here",
+            path,
+            errno.errorcode.get(err.errno, err.errno),
+            err.strerror,
+        )
+    return True
 
 
 def _holder(path: Path) -> dict:
@@ -39,9 +67,7 @@ def run_lock(output_dir, state):
     holder_pid = 0
     if state.is_main_process:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        if not _try_lock(fd, path):
             os.close(fd)
             fd = None
             holder_pid = int(_holder(path).get("pid") or -1)  # -1: it has not written its record yet

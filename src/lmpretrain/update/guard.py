@@ -21,6 +21,14 @@ OVERFLOW = "overflow"  # fp16 gradients overflowed the loss scale: the scaler ha
 SPIKE = "spike"  # the loss is far above the recent window (train.skip_spikes)
 
 
+def _retry_hint(first_skipped: int) -> str:
+    return (
+        f"Lower optim.lr (or raise optim.warmup_steps or set train.max_grad_norm), then resume from a "
+        f"checkpoint written before step {first_skipped} with --run.resume=<output_dir>/checkpoints/step-... "
+        f"and the new values (they take effect at resume)."
+    )
+
+
 class LossWindow:
     """The last `size` losses; a loss is a spike when it exceeds their mean + sigma * std."""
 
@@ -103,10 +111,30 @@ class UpdateGuard:
             raise TrainingDiverged(
                 f"training diverged: the updates of steps {first}-{step} ({self.consecutive} in a row, "
                 f"train.max_skipped_steps={self.max_skipped}) were all skipped; at step {step} the loss is "
-                f"{loss:.4g} and the gradient norm {grad_norm:.4g}. No weight changed in these steps. Lower "
-                f"optim.lr (or raise optim.warmup_steps or set train.max_grad_norm), then resume from a "
-                f"checkpoint written before step {first} with --run.resume=<output_dir>/checkpoints/step-... "
-                f"and the new values (they take effect at resume)."
+                f"{loss:.4g} and the gradient norm {grad_norm:.4g}. No weight changed in these steps. "
+                + _retry_hint(first)
+            )
+
+    def check_finished(self, step: int, eval_loss: float | None) -> None:
+        """At the end of the run, before anything is exported: raise TrainingDiverged when the last
+        updates were being skipped (a streak shorter than train.max_skipped_steps that the end cut off)
+        or the final evaluation's loss is not finite. Either way the model is not the trained one."""
+        if self.consecutive:
+            first = step - self.consecutive + 1
+            raise TrainingDiverged(
+                f"training diverged: the run reached its last step {step} while skipping updates: those of "
+                f"steps {first}-{step} ({self.consecutive} in a row, fewer than "
+                f"train.max_skipped_steps={self.max_skipped}) were all skipped, so the weights are those of "
+                f"step {first - 1} and the run did not train to the end. Nothing was exported. "
+                + _retry_hint(first)
+            )
+        if eval_loss is not None and not math.isfinite(eval_loss):
+            raise TrainingDiverged(
+                f"training diverged: the final evaluation at step {step} has loss {eval_loss:.4g}, so the "
+                f"model does not work. Nothing was exported. Lower optim.lr (or raise optim.warmup_steps or "
+                f"set train.max_grad_norm), then resume from a checkpoint whose eval loss is finite with "
+                f"--run.resume=<output_dir>/checkpoints/step-... and the new values (they take effect at "
+                f"resume)."
             )
 
     def state_dict(self) -> dict:

@@ -22,7 +22,7 @@ from lmpretrain.data.cursor import SourceCursor
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.sources import open_sources
 from lmpretrain.errors import DataError
-from lmpretrain.observe.progress import bar
+from lmpretrain.observe.progress import announce, bar
 
 if TYPE_CHECKING:
     from lmpretrain.config import DataConfig
@@ -53,14 +53,9 @@ def heldout_blocks(data: DataConfig, tokenizer, *, num_blocks: int, progress: bo
     elif held >= need:
         share = _even_share([len(d) for d in docs], need)
         tokens = np.concatenate([_spread(d, share, data.seq_len) for d in docs])
-        logger.info(
-            "[lmpretrain] held-out set: %d document(s) for %d tokens, so each gives up to %d tokens (windows "
-            "of %d spread through longer ones) instead of at most %d",
-            len(docs),
-            need,
-            share,
-            data.seq_len,
-            cap,
+        announce(
+            f"held-out set: {len(docs)} document(s) of {held:,} tokens for {need:,}, so each gives up to {share:,} "
+            f"tokens ({data.seq_len}-token windows spread through longer ones), not the first {cap:,}"
         )
     else:
         labels = ", ".join(s.label for s in sources)

@@ -22,7 +22,14 @@ import torch
 
 from lmpretrain.checkpoint import Checkpointer, PerRank, check_output_dir_writable, export_pretrained
 from lmpretrain.config import config_problems, load_config, model_problems, save_config
-from lmpretrain.data import TrainStream, heldout_blocks, load_tokenizer, merge_data_states
+from lmpretrain.data import (
+    TrainStream,
+    heldout_blocks,
+    load_tokenizer,
+    merge_data_states,
+    mixture_change,
+    step_counters,
+)
 from lmpretrain.errors import ConfigError, DataError, UserError
 from lmpretrain.launch import report_user_error
 from lmpretrain.model import (
@@ -144,7 +151,11 @@ def train(cfg, cleanup: ExitStack) -> None:
     if resume_from:
         saved = checkpointer.metadata(resume_from)
         for warning in check_fingerprint(
-            saved["fingerprint"], fingerprint, allow_mismatch=cfg.run.allow_mismatch, lr=cfg.optim.lr
+            saved["fingerprint"],
+            fingerprint,
+            allow_mismatch=cfg.run.allow_mismatch,
+            lr=cfg.optim.lr,
+            allow_data_change=cfg.run.allow_data_change,
         ):
             say(f"[lmpretrain] WARNING: {warning}")
         checkpointer.load(resume_from, model=model, optimizer=optimizer, states=states)
@@ -155,6 +166,8 @@ def train(cfg, cleanup: ExitStack) -> None:
         changes = hyperparameter_changes(saved["config"], cfg, state.step, state.step - state.skipped_steps)
         if changes:
             say(f"[lmpretrain] {changes}")
+        if mixture := mixture_change(saved["fingerprint"], fingerprint, state.step):
+            say(f"[lmpretrain] {mixture}")
     if accelerator.is_main_process:  # only now: a refused resume writes nothing
         save_config(cfg, out / "config.yaml")
 
@@ -244,8 +257,7 @@ def train(cfg, cleanup: ExitStack) -> None:
             "train/grad_norm": grad_norm,
             "train/clipped": grad_norm > max_norm,
             "train/tokens_seen": state.tokens_seen,
-            "train/epoch": batch.epoch,
-            "train/skipped_docs": batch.skipped_docs,
+            **step_counters(batch, accelerator),  # train/epoch, train/skipped_docs, data/<source>/tokens
             "perf/tokens_per_s": tokens_per_s,
             "perf/step_time_s": step_time,
             "perf/data_wait_frac": t_data / step_time,

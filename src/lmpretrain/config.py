@@ -31,6 +31,9 @@ class RunConfig:
     """With resume=never, allow starting fresh in an output_dir that already has checkpoints."""
     allow_mismatch: bool = False
     """Resume a checkpoint whose fingerprint (data, model, world size, batch) differs."""
+    allow_data_change: bool = False
+    """Resume with a changed training mixture: data.train weights changed, sources added or removed.
+    Unchanged sources continue from their positions; the change is printed (docs/data-sources.md)."""
     threads: int = 0
     """CPU threads per process; 0 = the cores this process may use divided by local processes."""
     name: str | None = None

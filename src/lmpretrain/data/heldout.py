@@ -47,7 +47,8 @@ def heldout_blocks(data: DataConfig, tokenizer, *, num_blocks: int, progress: bo
         docs = _read_documents(
             sources, encoder, need, cap, lambda have: shown.update(have // data.seq_len - shown.n)
         )
-    held = sum(len(d) for d in docs)
+        held = sum(len(d) for d in docs)
+        shown.update(min(held, need) // data.seq_len - shown.n)
     if sum(min(len(d), cap) for d in docs) >= need:
         tokens = np.concatenate([d[:cap] for d in docs])  # enough documents: each gives its first tokens
     elif held >= need:

@@ -55,7 +55,12 @@ def _batch_advice(saved: dict, current: dict, lr: float | None) -> str | None:
 
 
 def check_fingerprint(
-    saved: dict, current: dict, *, allow_mismatch: bool, lr: float | None = None
+    saved: dict,
+    current: dict,
+    *,
+    allow_mismatch: bool,
+    lr: float | None = None,
+    allow_data_change: bool = False,
 ) -> list[str]:
     """Compare a checkpoint's fingerprint with this run's; raise naming every difference unless allowed.
 
@@ -63,10 +68,18 @@ def check_fingerprint(
     When the world size or global batch differs, the message says how to rescale the learning rate
     (give ``lr`` for a number).
     Returns the warnings to print when ``allow_mismatch`` is set (empty when nothing differs).
+    The train sources' mixture (weights, sources added or removed) may differ with ``allow_data_change``
+    (data/mixture.py); a source whose files or settings changed is a difference like any other.
     """
-    old, new = _flatten(saved), _flatten(current)
+    from lmpretrain.data.mixture import DATA_CHANGE_FLAG, compare_sources
+
+    mixture, diffs = compare_sources(saved.get("sources", []), current.get("sources", []))
+    if mixture and not allow_data_change:
+        diffs.append(f"data mixture: {mixture}")
+    old = _flatten({k: v for k, v in saved.items() if k != "sources"})
+    new = _flatten({k: v for k, v in current.items() if k != "sources"})
     missing = "<absent>"
-    diffs = [
+    diffs += [
         f"{key}: {old.get(key, missing)!r} -> {new.get(key, missing)!r}"
         for key in sorted(old.keys() | new.keys())
         if key not in SILENT_FINGERPRINT_KEYS
@@ -81,6 +94,11 @@ def check_fingerprint(
         lines += [f"  {d}" for d in diffs]
         if advice:
             lines.append(f"note: {advice}")
+        if mixture and not allow_data_change:
+            lines.append(
+                f"The training mixture may change at resume with {DATA_CHANGE_FLAG} (unchanged sources "
+                "continue from their positions); anything else that differs still needs the flag below."
+            )
         lines.append(
             f"Resume anyway with {OVERRIDE_FLAG}, or start fresh in another output_dir "
             f"(or with --run.resume=never --run.overwrite=true)."

@@ -136,3 +136,68 @@ def test_a_mixture_change_is_refused_without_the_flag_and_said_in_one_line(tmp_p
     grown = fingerprint_of(new_mix, small_tokenizer)
     with pytest.raises(CheckpointMismatchError, match=rf"sources\[{a}\].expanded.bytes"):
         check_fingerprint(saved, grown, allow_mismatch=False, allow_data_change=True)
+
+
+# ---- the recipe on two ranks: global counters, a refused and an allowed change of mix -------------------------
+
+
+def bad_jsonl(folder: Path, prefix: str, n: int) -> str:
+    """JSON Lines with `n` documents and a malformed record after every 10th (skipped, counted)."""
+    path = write_jsonl_shards(folder, [n], prefix=prefix, seed=ord(prefix), max_words=20)[0]
+    lines = Path(path).read_text().splitlines(keepends=True)
+    Path(path).write_text(
+        "".join(line + ('{"text": \n' if i % 10 == 9 else "") for i, line in enumerate(lines))
+    )
+    return path
+
+
+@pytest.mark.slow
+def test_two_ranks_log_global_counters_and_resume_onto_a_new_mix(tmp_path, stdlib_cache):
+    import recipe_runner as rr
+    from lmpretrain.config import load_config
+    from lmpretrain.data import TrainStream, load_tokenizer
+
+    a, b = bad_jsonl(tmp_path / "a", "a", 150), bad_jsonl(tmp_path / "b", "b", 400)
+    mix = "--data.train=[{{files: [{}], weight: {}}}, {{files: [{}], weight: {}}}]"
+    quick = [*rr.QUICK, "--eval.batches=1", "--eval.every=0", "--checkpoint.every=10"]
+    out = tmp_path / "run"
+    first = rr.run(out, *quick, mix.format(a, 1, b, 1), "--train.max_steps=10", launch="cpu-ddp")
+    row = first.metrics()[-1]
+    assert row["step"] == 10
+
+    # What every stream together did by step 10, from one process owning all of them; and rank 0's own.
+    cfg = load_config([str(rr.SMOKE), mix.format(a, 1, b, 1)])
+    tok = load_tokenizer(cfg.data.tokenizer)
+    whole, rank0 = (
+        steps(TrainStream(cfg.data, tok, blocks_per_step=16, rank=0, world_size=w, seed=cfg.run.seed), 10)[0][
+            -1
+        ]
+        for w in (1, 2)
+    )
+    names = [f"data/{n}/tokens" for n in whole.sources]
+    assert row["train/skipped_docs"] == whole.skipped_docs > rank0.skipped_docs > 0
+    assert row["train/epoch"] == whole.epoch
+    assert [row[n] for n in names] == list(whole.sources.values())
+    assert sum(row[n] for n in names) == row["train/tokens_seen"] == 10 * 16 * 64
+
+    refused = rr.run(
+        out, *quick, mix.format(a, 3, b, 1), "--train.max_steps=40", launch="cpu-ddp", check=False
+    )
+    assert refused.returncode != 0 and "--run.allow_data_change=true" in refused.output
+    assert "weight 1 -> 3 (50% -> 75%)" in refused.output
+
+    second = rr.run(
+        out,
+        *quick,
+        mix.format(a, 3, b, 1),
+        "--train.max_steps=40",
+        "--run.allow_data_change=true",
+        launch="cpu-ddp",
+    )
+    assert (
+        f"resumed with a new data mixture from step 10: files:{a} weight 1 -> 3 (50% -> 75%)" in second.output
+    )
+    last = second.metrics()[-1]
+    grew = [last[n] - row[n] for n in names]
+    assert sum(grew) == 30 * 16 * 64
+    assert abs(grew[0] / sum(grew) - 0.75) < 0.06, grew

@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from lmpretrain.errors import DataError
 TOKENS_FIELD = "input_ids"  # column of pre-tokenized parquet shards (scripts/prepare_data.py)
 TOKENS_META = "tokens_meta.json"
 MIN_PIECE_BYTES = 1 << 16  # files are not cut into pieces smaller than this
+_HUB_COMMIT = re.compile(r"^(hf://datasets/[^/]+/[^/@]+)@[^/]+/")  # hf://datasets/org/name@commit/...
 _FORMATS = ("text", "json", "parquet", "tokens")
 _EXT_FORMATS = {
     ".json": "json",
@@ -259,8 +261,10 @@ class Source:
         )
 
     def fingerprint(self) -> dict:
-        """The spec plus the expanded file list (count, bytes, hash of names and sizes): files added under a glob count."""
-        listing = json.dumps([[f, s] for f, s in zip(self.files, self.sizes, strict=True)])
+        """The spec plus the expanded file list (count, bytes, hash of names and sizes): files added under a glob
+        count. Hub files count without their commit: any commit to the repository (a README edit) moves it."""
+        names = [_HUB_COMMIT.sub(r"\1/", f) for f in self.files]
+        listing = json.dumps([[f, s] for f, s in zip(names, self.sizes, strict=True)])
         files = {
             "count": len(self.files),
             "bytes": sum(self.sizes),

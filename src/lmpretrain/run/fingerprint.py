@@ -95,9 +95,10 @@ def check_fingerprint(
         if advice:
             lines.append(f"note: {advice}")
         if mixture and not allow_data_change:
+            others = "; the other differences need the flag below" if len(diffs) > 1 else ""
             lines.append(
                 f"The training mixture may change at resume with {DATA_CHANGE_FLAG} (unchanged sources "
-                "continue from their positions); anything else that differs still needs the flag below."
+                f"continue from their positions){others}."
             )
         lines.append(
             f"Resume anyway with {OVERRIDE_FLAG}, or start fresh in another output_dir "

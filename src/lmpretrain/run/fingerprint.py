@@ -71,6 +71,7 @@ def check_fingerprint(
     The train sources' mixture (weights, sources added or removed) may differ with ``allow_data_change``
     (data/mixture.py); a source whose files or settings changed is a difference like any other.
     """
+    # Imported here: lmpretrain.data imports lmpretrain.run (through observe).
     from lmpretrain.data.mixture import DATA_CHANGE_FLAG, compare_sources
 
     mixture, diffs = compare_sources(saved.get("sources", []), current.get("sources", []))

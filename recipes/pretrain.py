@@ -23,7 +23,14 @@ import torch
 
 from lmpretrain.checkpoint import Checkpointer, PerRank, check_output_dir_writable, export_pretrained
 from lmpretrain.config import load_config, save_config
-from lmpretrain.data import TrainStream, heldout_blocks, load_tokenizer, merge_data_states
+from lmpretrain.data import (
+    TrainStream,
+    heldout_blocks,
+    load_tokenizer,
+    merge_data_states,
+    mixture_change,
+    step_counters,
+)
 from lmpretrain.errors import DataError, UserError
 from lmpretrain.launch import report_user_error
 from lmpretrain.model import (
@@ -195,7 +202,11 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     if resume_from:
         saved = checkpointer.metadata(resume_from)
         for line in check_fingerprint(
-            saved["fingerprint"], fingerprint, allow_mismatch=cfg.run.allow_mismatch, lr=cfg.optim.lr
+            saved["fingerprint"],
+            fingerprint,
+            allow_mismatch=cfg.run.allow_mismatch,
+            lr=cfg.optim.lr,
+            allow_data_change=cfg.run.allow_data_change,
         ):
             say(line)
         checkpointer.load(resume_from, model=model, optimizer=optimizer, states=states)
@@ -206,6 +217,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         changes = hyperparameter_changes(saved["config"], cfg, state.step, state.step - state.skipped_steps)
         if changes:
             say(changes)
+        if mixture := mixture_change(saved["fingerprint"], fingerprint, state.step):
+            say(mixture)
     if accelerator.is_main_process:  # only now: a refused resume writes nothing
         save_config(cfg, out / "config.yaml", provenance=made_by)
 
@@ -264,6 +277,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         metrics = step_metrics(
             step, batch, state, lr, max_norm, t_start, t_data, accelerator, meter, precision
         )
+        metrics |= step_counters(batch, accelerator)  # over all ranks: epoch, skipped docs, tokens per source
         if cfg.train.compile and state.step == first_step:  # compiling happens in the first steps
             metrics["perf/compile_s"] = compile_seconds()
         warnings.observe(state.step, metrics["train/loss"], metrics["train/clipped"], step["skipped"])

@@ -25,10 +25,11 @@ from lmpretrain.checkpoint.checkpointer import (
     check_output_dir_writable,
     checkpoint_problem,
 )
-from lmpretrain.config import config_problems, load_config
+from lmpretrain.config import load_config
 from lmpretrain.data import TrainStream, load_tokenizer
-from lmpretrain.errors import CheckpointMismatchError
+from lmpretrain.errors import CheckpointMismatchError, ConfigError
 from lmpretrain.model import build_model_config
+from lmpretrain.preflight import preflight
 from lmpretrain.run.fingerprint import (
     FINGERPRINT_NAMES,
     SILENT_FINGERPRINT_KEYS,
@@ -634,7 +635,9 @@ def test_allow_mismatch_names_are_checked_with_the_config():
     (problem,) = allow_mismatch_problems(["seq_len", "everything"])
     assert "unknown name(s) 'everything'" in problem and "micro_batch_size" in problem
     cfg = load_config([str(rr.SMOKE), "--run.allow_mismatch=[micro_bach_size]"])
-    assert any("'micro_bach_size'" in p for p in config_problems(cfg, 1))
+    with pytest.raises(ConfigError) as err:  # in the one pre-flight pass, before any work
+        preflight(cfg, "none", 1, load_tokenizer(cfg.data.tokenizer))
+    assert any("'micro_bach_size'" in p for p in err.value.problems)
 
 
 def test_fingerprint_names_are_the_entries_of_a_real_fingerprint(tmp_path):

@@ -456,7 +456,8 @@ def test_fingerprint_and_state_are_plain_data(tmp_path, small_tokenizer):
         "streams": {str(k): v for k, v in state["streams"].items()},
     }
     stream = state["streams"][0]
-    assert {"window", "emitted", "docs"} == set(stream) and len(stream["docs"]["start"]["sources"]) == 1
+    assert {"window", "emitted", "docs", "frontier", "tokens"} == set(stream)
+    assert len(stream["docs"]["start"]["sources"]) == 1 and len(stream["tokens"]) == 1
     position = stream["docs"]["start"]["sources"][0]
     assert set(position) == {"epoch", "slot", "at", "segment", "seen", "skipped"}
 

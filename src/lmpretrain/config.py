@@ -79,6 +79,9 @@ class RunConfig:
     allow_mismatch: list[str] = field(default_factory=list)
     """Names of the fingerprint differences (data, model, batch) to accept at resume, e.g.
     [micro_batch_size]; a resume that keeps the global batch needs none for world size / batch split."""
+    allow_data_change: bool = False
+    """Resume with a changed training mixture: data.train weights changed, sources added or removed.
+    Unchanged sources continue from their positions; the change is printed (docs/data-sources.md)."""
     threads: int = 0
     """CPU threads per process; 0 = the cores this process may use divided by local processes."""
     name: str | None = None

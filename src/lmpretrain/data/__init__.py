@@ -2,12 +2,13 @@
 
 sources.py (what a source is, its pieces) -> readers.py (one piece from a position) -> cursor.py (a stream's
 position in a source) -> block_stream.py (one stream: document windows, packing, block windows) ->
-train_stream.py (a rank's blocks per step, workers, state); heldout.py (the eval set); encoder.py (text ->
+train_stream.py (a rank's blocks per step, workers, state); mixture.py (mixtures that change at resume); heldout.py (the eval set); encoder.py (text ->
 ids with the BOS/EOS contract); prepare.py (pre-tokenize); tokenizer.py and corpus.py (the default
 tokenizer and its corpus, built locally).
 """
 
 from lmpretrain.data.heldout import heldout_blocks
+from lmpretrain.data.mixture import mixture_change
 from lmpretrain.data.sources import Source, SourceSpec, expand_files, open_source
 from lmpretrain.data.tokenizer import load_tokenizer
 from lmpretrain.data.train_stream import (
@@ -15,6 +16,7 @@ from lmpretrain.data.train_stream import (
     TrainStream,
     blocks_per_stream,
     merge_data_states,
+    step_counters,
 )
 
 __all__ = [
@@ -27,5 +29,7 @@ __all__ = [
     "heldout_blocks",
     "load_tokenizer",
     "merge_data_states",
+    "mixture_change",
     "open_source",
+    "step_counters",
 ]

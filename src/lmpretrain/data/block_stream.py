@@ -11,7 +11,10 @@ blocks, each permuted with its own seeded generator.
 The state points at the start of the current block window — the document window that holds its first token
 (source positions and mixing counter at that window's start, its index, the unit and token offset in its
 shuffled order) — plus how many blocks of the block window were emitted. A restore seeks the sources there
-and re-reads one document window and one block window; nothing before is replayed.
+and re-reads one document window and one block window; nothing before is replayed. The state also holds the
+*frontier* (the sources' positions after the last document window read) and the tokens each source gave
+to the emitted blocks: when the mixture changes at resume (data/mixture.py), a stream restarts from its
+frontier, so each source goes on with the documents it would have read next.
 """
 
 from __future__ import annotations
@@ -73,10 +76,14 @@ class BlockStream:
         settings: StreamSettings,
         stream: int,
         state: dict | None = None,
+        source_ids: list[int] | None = None,
     ):
         s = settings
+        # A source's id seeds its piece order: it stays the same when other sources are added or removed.
+        ids = source_ids if source_ids is not None else list(range(len(sources)))
         self.cursors = [
-            SourceCursor(src, k, stream, s.num_streams, s.seed, s.shuffle) for k, src in enumerate(sources)
+            SourceCursor(src, i, stream, s.num_streams, s.seed, s.shuffle)
+            for i, src in zip(ids, sources, strict=True)
         ]
         weights = np.array([src.spec.weight for src in sources], dtype=np.float64)
         self.cum_weights = np.cumsum(weights / weights.sum())
@@ -86,9 +93,12 @@ class BlockStream:
         self.doc_start: dict | None = None  # source snapshot at its start ...
         self.doc_end: dict | None = None  # ... and after it
         self.units: list[np.ndarray] = []  # its token arrays, in shuffled order
+        self.unit_sources: list[int] = []  # the source of each
         self.unit = self.offset = 0  # next token to pack: units[unit][offset]
         self.block_window, self.emitted = 0, 0
         self.blocks: np.ndarray | None = None
+        self.block_tokens: np.ndarray | None = None  # [block, source]: tokens each source gave each block
+        self.tokens = np.zeros(len(sources), dtype=np.int64)  # tokens each source gave the emitted blocks
         self.block_start: dict | None = None  # position of the block window's first token
         self._start_state = state or self.initial_state(len(sources))
 
@@ -99,17 +109,23 @@ class BlockStream:
             "open": -1,
             "sources": [SourceCursor.initial_position() for _ in range(num_sources)],
         }
-        return {"window": 0, "emitted": 0, "docs": {"start": start, "window": 0, "unit": 0, "offset": 0}}
+        return {
+            "window": 0,
+            "emitted": 0,
+            "docs": {"start": start, "window": 0, "unit": 0, "offset": 0},
+            "frontier": {"start": copy.deepcopy(start), "window": 0},
+            "tokens": [0] * num_sources,
+        }
 
     @property
     def records_read(self) -> int:
         return sum(c.records_read for c in self.cursors)
 
-    def progress(self) -> tuple[int, int]:
-        """(completed epochs of the first source, bad records skipped) as read so far: after a step's blocks
-        this depends only on the step (blocks are read a whole block window at a time), so a resumed run
-        reports what the uninterrupted one does."""
-        return self.cursors[0].epoch, sum(c.skipped for c in self.cursors)
+    def progress(self) -> tuple[int, int, list[int]]:
+        """(completed epochs of the first source, bad records skipped, tokens per source emitted) as read so
+        far: after a step's blocks this depends only on the step (blocks are read a whole block window at a
+        time), so a resumed run reports what the uninterrupted one does."""
+        return self.cursors[0].epoch, sum(c.skipped for c in self.cursors), self.tokens.tolist()
 
     def take_notes(self) -> list[tuple[str, str]]:
         """Reports of bad records made since the last call."""
@@ -153,8 +169,8 @@ class BlockStream:
         self.doc_end = self._snapshot()
         arrays = frame_units(self.encoder, [(self.cursors[k].source, u) for k, u in picked])
         groups, current = [], []
-        for (_, unit), array in zip(picked, arrays, strict=True):
-            current.append(array)
+        for (k, unit), array in zip(picked, arrays, strict=True):
+            current.append((k, array))
             if unit.last:
                 groups.append(current)
                 current = []
@@ -167,7 +183,8 @@ class BlockStream:
             middle = groups[lo:hi]
             order = rng(s.seed, TAG_DOCS, self.stream, self.doc_window).permutation(len(middle))
             groups = groups[:lo] + [middle[i] for i in order] + groups[hi:]
-        self.units = [a for group in groups for a in group]
+        self.units = [a for group in groups for _, a in group]
+        self.unit_sources = [k for group in groups for k, _ in group]
         self.unit = self.offset = 0
 
     def _position(self) -> dict:
@@ -181,8 +198,10 @@ class BlockStream:
             }
         return {"start": self.doc_end, "window": self.doc_window + 1, "unit": 0, "offset": 0}
 
-    def _take(self, n: int) -> np.ndarray:
+    def _take(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next n tokens to pack, and the source of each."""
         out = np.empty(n, dtype=np.int32)
+        source = np.empty(n, dtype=np.int64)
         filled = 0
         while filled < n:
             if self.unit >= len(self.units):
@@ -190,23 +209,28 @@ class BlockStream:
             doc = self.units[self.unit]
             take = min(n - filled, len(doc) - self.offset)
             out[filled : filled + take] = doc[self.offset : self.offset + take]
+            source[filled : filled + take] = self.unit_sources[self.unit]
             filled += take
             self.offset += take
             if self.offset == len(doc):
                 self.unit, self.offset = self.unit + 1, 0
-        return out
+        return out, source
 
     # ---- block windows -------------------------------------------------------------------------------
 
     def _start_block_window(self) -> None:
         s = self.settings
         self.block_start = copy.deepcopy(self._position())
-        blocks = self._take(s.block_window * s.seq_len).reshape(s.block_window, s.seq_len)
+        tokens, source = self._take(s.block_window * s.seq_len)
+        blocks = tokens.reshape(s.block_window, s.seq_len)
+        n = len(self.cursors)
+        counts = np.stack(
+            [np.bincount(row, minlength=n) for row in source.reshape(s.block_window, s.seq_len)]
+        )
         if s.shuffle:
-            blocks = blocks[
-                rng(s.seed, TAG_BLOCKS, self.stream, self.block_window).permutation(s.block_window)
-            ]
-        self.blocks, self.emitted = blocks, 0
+            order = rng(s.seed, TAG_BLOCKS, self.stream, self.block_window).permutation(s.block_window)
+            blocks, counts = blocks[order], counts[order]
+        self.blocks, self.block_tokens, self.emitted = blocks, counts, 0
 
     def _restore(self, state: dict) -> None:
         docs = state["docs"]
@@ -235,6 +259,7 @@ class BlockStream:
         self.block_window = int(state["window"])
         self._start_block_window()
         self.emitted = int(state["emitted"])
+        self.tokens = np.array(state.get("tokens", [0] * len(self.cursors)), dtype=np.int64)
 
     def next_block(self) -> np.ndarray:
         if self.blocks is None:
@@ -243,6 +268,7 @@ class BlockStream:
             self.block_window += 1
             self._start_block_window()
         block = self.blocks[self.emitted]
+        self.tokens += self.block_tokens[self.emitted]
         self.emitted += 1
         return block
 
@@ -259,4 +285,10 @@ class BlockStream:
             docs, window, emitted = self.block_start, self.block_window, self.emitted
         else:  # the block window is done: point at the next one so a restore does not re-read this one
             docs, window, emitted = self._position(), self.block_window + 1, 0
-        return {"window": window, "emitted": emitted, "docs": copy.deepcopy(docs)}
+        return {
+            "window": window,
+            "emitted": emitted,
+            "docs": copy.deepcopy(docs),
+            "frontier": {"start": copy.deepcopy(self.doc_end), "window": self.doc_window + 1},
+            "tokens": self.tokens.tolist(),
+        }

@@ -61,6 +61,20 @@ class Piece:
     end: int | None = None
 
 
+def is_url(path: str) -> bool:
+    """A path of an fsspec filesystem (Hub files are `hf://datasets/<id>@<commit>/<file>`)."""
+    return "://" in path
+
+
+def open_seekable(path: str):
+    """A local or remote (fsspec, read by byte ranges) binary file for parquet's footer and row-group reads."""
+    if not is_url(path):
+        return open(path, "rb")
+    import fsspec
+
+    return fsspec.open(path, "rb").open()
+
+
 def open_bytes(path: str):
     """A binary file object; gzip files are decompressed (and then seek by reading from the start)."""
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
@@ -373,7 +387,11 @@ def read_parquet(
     """
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    with open_seekable(path) as f:
+        yield from _read_parquet(pq.ParquetFile(f), path, piece, at, field, tokens, flags)
+
+
+def _read_parquet(pf, path: str, piece: Piece, at: list[int] | None, field: str, tokens: bool, flags: bool):
     meta = pf.metadata
     group, row = at if at else (piece.start, 0)
     end = meta.num_row_groups if piece.end is None else piece.end

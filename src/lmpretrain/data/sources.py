@@ -1,8 +1,10 @@
 """Data sources: a `SourceSpec` (builtin name, local files, or Hub id), opened and divided into pieces.
 
 Local files are read by our own small readers (data/readers.py): text and JSON Lines by byte offset,
-parquet by row group, so any position is reached without re-reading what lies before it. Hub datasets stay
-🤗 `datasets` streams (one piece per shard). A source is divided into pieces for `num_streams` streams:
+parquet by row group, so any position is reached without re-reading what lies before it. A Hub dataset
+whose config and split are parquet files (as 🤗 `datasets` resolves them: the repository's `configs:` or its
+`data/<split>-*` layout, listed once, pinned to a commit) is read the same way, by row group through
+`hf://` paths; other Hub datasets stay 🤗 `datasets` streams (one piece per shard, restored by `skip()`). A source is divided into pieces for `num_streams` streams:
 every file is one piece, except that a file holding more than 1/num_streams of the source's bytes is cut
 into byte ranges (row-group runs for parquet) at record or document starts, so one big file feeds every
 stream. Pieces depend only on the files and num_streams, never on the world size.
@@ -15,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from lmpretrain.errors import DataError
 TOKENS_FIELD = "input_ids"  # column of pre-tokenized parquet shards (scripts/prepare_data.py)
 TOKENS_META = "tokens_meta.json"
 MIN_PIECE_BYTES = 1 << 16  # files are not cut into pieces smaller than this
+_HUB_COMMIT = re.compile(r"^(hf://datasets/[^/]+/[^/@]+)@[^/]+/")  # hf://datasets/org/name@commit/...
 _EXT_FORMATS = {
     ".json": "json",
     ".jsonl": "json",
@@ -98,7 +102,7 @@ class Source:
     def __init__(self, spec: SourceSpec, fmt: str, files: list[str] | None = None, dataset: Any = None):
         self.spec, self.format, self.dataset = spec, fmt, dataset
         self.files = files or []
-        self.sizes = [os.path.getsize(f) for f in self.files]
+        self.sizes = [_file_size(f) for f in self.files]
         self.tokens = fmt == "tokens"
         self.field = TOKENS_FIELD if self.tokens else spec.text_field
         self.json_arrays = [
@@ -114,7 +118,13 @@ class Source:
 
     @property
     def is_hub(self) -> bool:
+        """Read as a 🤗 datasets stream (a Hub dataset without parquet files)."""
         return self.dataset is not None
+
+    @property
+    def hub_parquet(self) -> bool:
+        """A Hub dataset's parquet files, read by row group."""
+        return self.spec.hub is not None and self.dataset is None
 
     def splittable(self, f: int) -> bool:
         return not (self.files[f].endswith(".gz") or self.json_arrays[f])
@@ -187,7 +197,10 @@ class Source:
     def summary(self, num_streams: int) -> str:
         """What the source is and how it is read, for the start-up log."""
         if self.is_hub:
-            return f"{self.label}: 🤗 datasets stream, {self.dataset.n_shards} shards (a restore re-streams its shard up to the position)"
+            return (
+                f"{self.label}: 🤗 datasets stream (no parquet files), {self.dataset.n_shards} shards (a "
+                "restore re-streams its shard up to the position)"
+            )
         kind = {
             "text": {None: "one document per file", BLANK_LINES: "documents separated by blank lines"}.get(
                 self.spec.separator, f"documents separated by {self.spec.separator!r}"
@@ -197,14 +210,19 @@ class Source:
             "tokens": "pre-tokenized parquet",
         }[self.format]
         n = len(self.files)
+        where = (
+            " on the Hub, read by row group (a restore seeks to its row group)" if self.hub_parquet else ""
+        )
         return (
-            f"{self.label}: {self.format}, {n} file{'s' * (n != 1)}, {_mb(sum(self.sizes))}, {kind}; "
+            f"{self.label}: {self.format}, {n} file{'s' * (n != 1)}{where}, {_mb(sum(self.sizes))}, {kind}; "
             f"{len(self.pieces(num_streams))} pieces"
         )
 
     def fingerprint(self) -> dict:
-        """The spec plus the expanded file list (count, bytes, hash of names and sizes): files added under a glob count."""
-        listing = json.dumps([[f, s] for f, s in zip(self.files, self.sizes, strict=True)])
+        """The spec plus the expanded file list (count, bytes, hash of names and sizes): files added under a glob
+        count. Hub files count without their commit: any commit to the repository (a README edit) moves it."""
+        names = [_HUB_COMMIT.sub(r"\1/", f) for f in self.files]
+        listing = json.dumps([[f, s] for f, s in zip(names, self.sizes, strict=True)])
         files = {
             "count": len(self.files),
             "bytes": sum(self.sizes),
@@ -239,14 +257,33 @@ def open_source(spec: SourceSpec | dict) -> Source:
     return source
 
 
+def _file_size(path: str) -> int:
+    if not readers.is_url(path):
+        return os.path.getsize(path)
+    import fsspec
+
+    fs, inner = fsspec.core.url_to_fs(path)
+    return int(fs.size(inner))
+
+
 def _open_hub(spec: SourceSpec) -> Source:
-    from datasets import load_dataset  # heavy import, only where a Hub stream is really opened
+    """A Hub dataset: its split's parquet files read by row group when it has them, else a datasets stream."""
+    from datasets import load_dataset_builder  # heavy import, only where a Hub dataset is really opened
 
     from lmpretrain.observe.progress import announce
 
     announce(f"opening Hub dataset {spec.hub} (resolving its files over the network)")
     try:
-        ds = load_dataset(spec.hub, spec.hub_config, split=spec.split, streaming=True)
+        # The same resolution of config and split to files as load_dataset's, listed once.
+        builder = load_dataset_builder(spec.hub, spec.hub_config)
+        files = (builder.config.data_files or {}).get(spec.split)
+        if builder.name == "parquet" and files:
+            source = Source(spec, "parquet", list(files))
+            _check_parquet(source)
+            return source
+        ds = builder.as_streaming_dataset(split=spec.split)
+    except DataError:
+        raise
     except Exception as e:
         raise DataError(
             f"could not open Hub dataset {spec.hub!r} (config {spec.hub_config!r}, split "
@@ -281,10 +318,11 @@ def _check_parquet(source: Source) -> None:
 
     for path in source.files:
         try:
-            pf = pq.ParquetFile(path)
+            with readers.open_seekable(path) as f:  # the footer is all that is read
+                pf = pq.ParquetFile(f)
+                schema, meta = pf.schema_arrow, pf.metadata
         except Exception as e:
             raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
-        schema = pf.schema_arrow
         if source.field not in schema.names:
             raise _no_field(source, path, schema.names)
         kind = schema.field(source.field).type
@@ -296,7 +334,6 @@ def _check_parquet(source: Source) -> None:
         if not ok:
             want = "a list of token ids" if source.tokens else "strings"
             raise DataError(f"{path}: column {source.field!r} holds {kind}, not {want}; set `text_field`")
-        meta = pf.metadata
         source._row_group_bytes.append(
             [max(1, meta.row_group(g).total_byte_size) for g in range(meta.num_row_groups)]
         )

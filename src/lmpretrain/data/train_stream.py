@@ -2,7 +2,8 @@
 
 Global block j of a step comes from stream j % S; rank p owns streams s % world_size == p; worker w of a
 rank owns the rank's streams [w::num_workers]. The blocks of a step therefore depend only on (data, seed,
-blocks_per_step, S): world size and workers change who computes them, not what they are.
+blocks_per_step, S): world size and workers change who computes them, not what they are. The training
+mixture may change at resume (data/mixture.py).
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import logging
 import os
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lmpretrain.config import data_problems
+from lmpretrain.data import mixture
 from lmpretrain.data.block_stream import BlockStream, StreamSettings
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.sources import Source, open_sources
@@ -37,6 +39,22 @@ class StepBlocks:
     input_ids: torch.Tensor  # [blocks_per_step // world_size, seq_len], blocks ordered by stream id
     epoch: int  # min completed epochs of the first source over this rank's streams (as read so far)
     skipped_docs: int  # bad records skipped so far by this rank's streams
+    sources: dict[str, int] = field(default_factory=dict)  # tokens each source gave this rank's blocks so far
+
+
+def step_counters(batch: StepBlocks, accelerator) -> dict[str, int]:
+    """The data counters of a step over every rank's streams, for the metrics: train/epoch (the least over
+    every stream), train/skipped_docs and data/<source>/tokens (sums). A collective: call on every rank."""
+    local = torch.tensor(
+        [[batch.epoch, batch.skipped_docs, *batch.sources.values()]],
+        dtype=torch.long,
+        device=accelerator.device,
+    )
+    every = accelerator.gather(local)  # [world size, counters]
+    totals = every[:, 1:].sum(0).tolist()
+    counters = {"train/epoch": int(every[:, 0].min()), "train/skipped_docs": totals[0]}
+    counters.update({f"data/{name}/tokens": n for name, n in zip(batch.sources, totals[1:], strict=True)})
+    return counters
 
 
 def blocks_per_stream(blocks_per_step: int, num_streams: int) -> list[int]:
@@ -94,17 +112,20 @@ class _StreamsDataset(IterableDataset):
         streams: list[int],
         states: dict[int, dict],
         counts: list[int],
+        source_ids: list[int],
     ):
         super().__init__()
         self.sources, self.encoder, self.settings = sources, encoder, settings
         self.streams, self.states, self.counts = streams, states, counts
+        self.source_ids = source_ids
         self.block_streams: dict[int, BlockStream] = {}
 
     def __iter__(self):
         info = get_worker_info()
         mine = self.streams if info is None else self.streams[info.id :: info.num_workers]
         self.block_streams = {
-            s: BlockStream(self.sources, self.encoder, self.settings, s, self.states[s]) for s in mine
+            s: BlockStream(self.sources, self.encoder, self.settings, s, self.states[s], self.source_ids)
+            for s in mine
         }
         try:
             while True:
@@ -138,6 +159,9 @@ class TrainStream:
             raise DataError("invalid data settings:\n  - " + "\n  - ".join(problems))
         self.encoder = Encoder(tokenizer, data.add_bos)  # checks EOS/BOS before reading any data
         self.sources = open_sources(data.train, tokenizer)
+        self.specs = [src.spec for src in self.sources]
+        self.source_ids = list(range(len(self.sources)))  # seeds of their piece orders (data/mixture.py)
+        self.source_names = mixture.metric_names(self.specs)
         self.tokenizer = tokenizer
         self.settings = StreamSettings(
             num_streams=data.num_streams,
@@ -188,7 +212,13 @@ class TrainStream:
         """Start (or restart) from the current state: the last consumed step, or what `load_state_dict` set."""
         self.close()
         self._dataset = _StreamsDataset(
-            self.sources, self.encoder, self.settings, self.owned, copy.deepcopy(self._states), self.counts
+            self.sources,
+            self.encoder,
+            self.settings,
+            self.owned,
+            copy.deepcopy(self._states),
+            self.counts,
+            self.source_ids,
         )
         if self.num_workers == 0:
             items = iter(self._dataset)
@@ -227,22 +257,30 @@ class TrainStream:
                         logger.warning(report)
             ids = torch.cat([blocks[s] for s in self.owned]).long()
             self._states.update(states)  # only now is this step consumed
+            tokens = [
+                sum(per_source) for per_source in zip(*(t for _, _, t in progress.values()), strict=True)
+            ]
             yield StepBlocks(
                 ids,
-                epoch=min(epoch for epoch, _ in progress.values()),
-                skipped_docs=sum(skipped for _, skipped in progress.values()),
+                epoch=min(epoch for epoch, _, _ in progress.values()),
+                skipped_docs=sum(skipped for _, skipped, _ in progress.values()),
+                sources=dict(zip(self.source_names, tokens, strict=True)),
             )
 
     def state_dict(self) -> dict:
-        """Position of what was consumed: {"version", "num_streams", "streams": {stream id: plain dict}}."""
+        """Position of what was consumed: {"version", "num_streams", "mixture", "streams": {stream id: plain
+        dict}}; `mixture` names the sources the positions belong to (data/mixture.py)."""
         return {
             "version": STATE_VERSION,
             "num_streams": self.num_streams,
+            "mixture": mixture.mixture(self.specs, self.source_ids),
             "streams": copy.deepcopy(self._states),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Take this rank's streams from a state holding (at least) them, e.g. all ranks' merged states."""
+        """Take this rank's streams from a state holding (at least) them, e.g. all ranks' merged states. When
+        its mixture differs from this run's (weights, sources added or removed; the recipe allows that only
+        with run.allow_data_change), each stream restarts at its frontier (data/mixture.py)."""
         if state.get("version") != STATE_VERSION:
             raise DataError(
                 f"the data state has version {state.get('version')}, this lmpretrain reads version {STATE_VERSION} "
@@ -262,6 +300,14 @@ class TrainStream:
             )
         self.close()
         self._states = {s: copy.deepcopy(streams[s]) for s in self.owned}
+        if "mixture" in state:  # (states written before mixtures could change have the same sources)
+            self.source_ids, changed = mixture.follow(state["mixture"], self.specs)
+            if changed:
+                keys = mixture.source_keys(self.specs)
+                self._states = {
+                    s: mixture.restart_at_frontier(st, state["mixture"], keys)
+                    for s, st in self._states.items()
+                }
 
     def fingerprint(self) -> dict:
         """What the stream depends on. world_size and num_workers are informational: resuming across them is exact."""

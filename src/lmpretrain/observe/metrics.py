@@ -1,5 +1,6 @@
-"""The numbers logged for one optimizer step: the objective's terms as `train/<name>`, the update, the
-data position and the speed. The recipe's `train_step` returns the step's math; this adds the rest."""
+"""The numbers logged for one optimizer step: the objective's terms as `train/<name>`, the update and the
+speed. The recipe's `train_step` returns the step's math; this adds the rest (the data's counters over
+all ranks come from data.step_counters)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ def step_metrics(step, batch, state, lr, max_norm, t_start, t_data, accelerator,
         "train/grad_norm": step["grad_norm"],
         "train/clipped": step["grad_norm"] > max_norm,
         "train/tokens_seen": state.tokens_seen,
-        "train/epoch": batch.epoch,
-        "train/skipped_docs": batch.skipped_docs,
         "train/skipped_steps": state.skipped_steps,
         "perf/tokens_per_s": tokens_per_s,
         "perf/step_time_s": step_time,

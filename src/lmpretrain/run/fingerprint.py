@@ -93,16 +93,25 @@ def _batch_advice(saved: dict, current: dict, lr: float | None) -> str | None:
     return None
 
 
-def check_fingerprint(saved: dict, current: dict, *, allow_mismatch=(), lr: float | None = None) -> list[str]:
+def check_fingerprint(
+    saved: dict, current: dict, *, allow_mismatch=(), lr: float | None = None, allow_data_change: bool = False
+) -> list[str]:
     """Compare a checkpoint's fingerprint with this run's; raise naming every difference that
     ``allow_mismatch`` (names from FINGERPRINT_NAMES) does not accept, and the exact flag that would.
 
     Nested dicts are compared key by key (``model.hidden_size``). ``num_workers`` may differ silently;
     so may the layout keys while the global batch is unchanged. When the world size or global batch
-    differs, the message says how to rescale the learning rate (give ``lr`` for a number).
+    differs, the message says how to rescale the learning rate (give ``lr`` for a number). The train
+    sources' mixture (weights, sources added or removed) may change with ``allow_data_change``
+    (data/mixture.py); a source whose files or settings changed is a `sources` difference.
     Returns the lines to print (a note on a changed layout, a warning per accepted difference).
     """
-    old, new = _flatten(saved), _flatten(current)
+    # Imported here: lmpretrain.data imports lmpretrain.run (through observe).
+    from lmpretrain.data.mixture import DATA_CHANGE_FLAG, compare_sources
+
+    mixture, source_diffs = compare_sources(saved.get("sources", []), current.get("sources", []))
+    old = _flatten({k: v for k, v in saved.items() if k != "sources"})
+    new = _flatten({k: v for k, v in current.items() if k != "sources"})
     missing = "<absent>"
     changed = [
         key
@@ -124,27 +133,34 @@ def check_fingerprint(saved: dict, current: dict, *, allow_mismatch=(), lr: floa
             f"so the data and the trajectory are unchanged"
         )
         changed = [key for key in changed if key not in LAYOUT_KEYS]
-    if not changed:
-        return lines
-
-    def diff(key):
-        return f"{key}: {old.get(key, missing)!r} -> {new.get(key, missing)!r}"
-
-    refused = [key for key in changed if not _accepted(key, allow_mismatch)]
+    diffs = {key: f"{key}: {old.get(key, missing)!r} -> {new.get(key, missing)!r}" for key in changed}
+    if source_diffs:
+        diffs["sources"] = "; ".join(source_diffs)
+    refused = [key for key in diffs if not _accepted(key, allow_mismatch)]
+    mixture_refused = bool(mixture) and not allow_data_change
     advice = _batch_advice(saved, current, lr)
-    if refused:
+    if refused or mixture_refused:
         message = ["the checkpoint was written by a run that differs from this one:"]
-        message += [f"  {diff(key)}" for key in refused]
+        message += [f"  {diffs[key]}" for key in refused]
+        if mixture_refused:
+            message.append(f"  data mixture: {mixture}")
         if advice:
             message.append(f"note: {advice}")
-        message.append(
-            f"Resume anyway with '--run.allow_mismatch=[{','.join(refused)}]' (accepts these differences "
-            f"only), or start fresh in another output_dir (or with --run.resume=never --run.overwrite=true)."
-        )
+        if mixture_refused:
+            message.append(
+                f"The training mixture may change at resume with {DATA_CHANGE_FLAG} (unchanged sources "
+                f"continue from their positions)."
+            )
+        if refused:
+            message.append(
+                f"Resume anyway with '--run.allow_mismatch=[{','.join(refused)}]' (accepts these differences "
+                f"only), or start fresh in another output_dir (or with --run.resume=never --run.overwrite=true)."
+            )
         raise CheckpointMismatchError("\n".join(message))
     lines += [
-        f"WARNING: resuming across a fingerprint difference (run.allow_mismatch): {diff(k)}" for k in changed
+        f"WARNING: resuming across a fingerprint difference (run.allow_mismatch): {diff}"
+        for diff in diffs.values()
     ]
-    if advice:
+    if advice and diffs:
         lines.append(f"WARNING: {advice}")
     return lines

@@ -71,8 +71,11 @@ class DataConfig:
     """Background dataloader workers per process (prefetch + tokenization); changes only speed."""
     num_streams: int = 8
     """Virtual data streams; fixed for a run so data order is independent of world size/workers."""
-    shuffle: bool = True
-    """Piece order per epoch, a window shuffle of documents, then a window shuffle of packed blocks."""
+    shuffle: str | None = None
+    """global: blocks drawn by a seeded permutation of every block of the corpus, a new one per epoch
+    (token files only, see docs/data.md) | windows: piece order per epoch, a window shuffle of documents,
+    then of packed blocks | none: in order. null = global when every train source is token files, else
+    windows. The former true/false read as windows/none."""
     shuffle_window: int = 64
     """Blocks per block-shuffle window (a restore re-reads at most this plus one document window)."""
     doc_shuffle_window: int = 64

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lmpretrain.data.block_stream import BlockStream, StreamSettings
 from lmpretrain.data.encoder import Encoder
+from lmpretrain.data.global_shuffle import SHUFFLES, GlobalBlocksDataset, GlobalOrder, resolve_shuffle
 from lmpretrain.data.sources import Source, open_sources
 from lmpretrain.errors import DataError, UserError
 
@@ -64,6 +65,10 @@ def data_problems(data: DataConfig, world_size: int) -> list[str]:
         )
     if data.num_workers < 0:
         p.append("data.num_workers must be >= 0")
+    if data.shuffle not in (None, True, False, "true", "false", *SHUFFLES):
+        p.append(
+            f"data.shuffle must be one of {SHUFFLES} or null (the default for the sources), got {data.shuffle!r}"
+        )
     for key in ("shuffle_window", "doc_shuffle_window"):
         if getattr(data, key) < 1:
             p.append(f"data.{key} must be >= 1")
@@ -175,11 +180,17 @@ class TrainStream:
         self.encoder = Encoder(tokenizer, data.add_bos)  # checks EOS/BOS before reading any data
         self.sources = open_sources(data.train, tokenizer)
         self.tokenizer = tokenizer
+        self.shuffle = resolve_shuffle(data.shuffle, self.sources)
+        self.order = (
+            GlobalOrder(self.sources, data.seq_len, seed, self.encoder.add_bos)
+            if self.shuffle == "global"
+            else None
+        )
         self.settings = StreamSettings(
             num_streams=data.num_streams,
             seq_len=data.seq_len,
             seed=seed,
-            shuffle=data.shuffle,
+            shuffle=self.shuffle == "windows",
             block_window=data.shuffle_window,
             doc_window=data.doc_shuffle_window,
         )
@@ -187,7 +198,7 @@ class TrainStream:
         self.rank, self.world_size, self.num_workers = rank, world_size, data.num_workers
         self.owned = [s for s in range(self.num_streams) if s % world_size == rank]
         self.counts = blocks_per_stream(blocks_per_step, self.num_streams)
-        for src in self.sources:
+        for src in self.sources if self.order is None else []:  # the global shuffle has no pieces
             n = len(src.pieces(self.num_streams))
             if n < self.num_streams:
                 keep_every = -(-self.num_streams // n)
@@ -200,7 +211,10 @@ class TrainStream:
                     keep_every,
                     keep_every,
                 )
-        initial = BlockStream.initial_state(len(self.sources))
+        if self.order is not None:
+            initial = self.order.initial_state()
+        else:
+            initial = BlockStream.initial_state(len(self.sources))
         self._states: dict[int, dict] = {s: copy.deepcopy(initial) for s in self.owned}
         self._reported: set[str] = set()
         self._loader_iter = None
@@ -210,11 +224,12 @@ class TrainStream:
         """One line on what is read and how, for the start-up log."""
         s = self.settings
         sources = "; ".join(src.summary(s.num_streams) for src in self.sources)
-        shuffle = (
-            f"shuffle: piece order per epoch, {s.doc_window}-document windows, {s.block_window}-block windows"
-            if s.shuffle
-            else "no shuffle"
-        )
+        shuffle = {
+            "global": "shuffle: global, a seeded permutation of every block of the corpus per epoch",
+            "windows": f"shuffle: windows, piece order per epoch, {s.doc_window}-document windows, "
+            f"{s.block_window}-block windows",
+            "none": "no shuffle",
+        }[self.shuffle]
         return (
             f"data: {sources}; {self.encoder.describe()}; {s.num_streams} streams x {s.seq_len}-token blocks, "
             f"{self.blocks_per_step} blocks per step; {shuffle}"
@@ -223,9 +238,18 @@ class TrainStream:
     def __iter__(self) -> Iterator[StepBlocks]:
         """Start (or restart) from the current state: the last consumed step, or what `load_state_dict` set."""
         self.close()
-        self._dataset = _StreamsDataset(
-            self.sources, self.encoder, self.settings, self.owned, copy.deepcopy(self._states), self.counts
-        )
+        if self.order is not None:  # every stream holds the same position: the step's
+            state = copy.deepcopy(self._states[self.owned[0]])
+            self._dataset = GlobalBlocksDataset(self.order, self.owned, state, self.counts)
+        else:
+            self._dataset = _StreamsDataset(
+                self.sources,
+                self.encoder,
+                self.settings,
+                self.owned,
+                copy.deepcopy(self._states),
+                self.counts,
+            )
         if self.num_workers == 0:
             items = iter(self._dataset)
         else:
@@ -311,7 +335,7 @@ class TrainStream:
             "seq_len": s.seq_len,
             "num_streams": s.num_streams,
             "seed": s.seed,
-            "shuffle": s.shuffle,
+            "shuffle": self.shuffle,
             "shuffle_window": s.block_window,
             "doc_shuffle_window": s.doc_window,
             "data_version": STATE_VERSION,

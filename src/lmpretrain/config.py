@@ -71,11 +71,11 @@ class DataConfig:
     """Background dataloader workers per process (prefetch + tokenization); changes only speed."""
     num_streams: int = 8
     """Virtual data streams; fixed for a run so data order is independent of world size/workers."""
-    shuffle: str | None = None
+    shuffle: str | bool | None = None
     """global: blocks drawn by a seeded permutation of every block of the corpus, a new one per epoch
     (token files only, see docs/data.md) | windows: piece order per epoch, a window shuffle of documents,
     then of packed blocks | none: in order. null = global when every train source is token files, else
-    windows. The former true/false read as windows/none."""
+    windows. true/false (the former boolean) read as windows/none."""
     shuffle_window: int = 64
     """Blocks per block-shuffle window (a restore re-reads at most this plus one document window)."""
     doc_shuffle_window: int = 64
@@ -251,8 +251,9 @@ def _coerce(value, tp, where: str, problems: list[str]):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(value, inner, where, problems)
+        inner = [a for a in args if a is not type(None)]
+        exact = [a for a in inner if type(value) is a]  # `str | bool`: a bool stays a bool
+        return _coerce(value, (exact or inner)[0], where, problems)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             problems.append(f"{where}: expected a mapping of {sorted(_fields(tp))}, got {value!r}")

@@ -277,7 +277,9 @@ def write_token_files(
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    announce(f"tokenizing {source.summary(PREPARE_PIECES)} into {out} with {processes} processes")
+    announce(
+        f"tokenizing {source.summary(PREPARE_PIECES)} into {out} with {processes} process{'es' * (processes > 1)}"
+    )
     args = (spec, tokenizer, encoder.add_bos, dtype.str, str(tmp))
     try:
         shards: list[dict] = []

@@ -13,7 +13,6 @@ the next blocks from it and reads nothing else.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 
 import numpy as np
@@ -27,6 +26,7 @@ from lmpretrain.errors import DataError, UserError
 SHUFFLES = ("global", "windows", "none")
 TAG_PERMUTATION, TAG_GLOBAL_MIX = 11, 12
 _ROUNDS = 6
+CHUNK = 1 << 16  # permutation values computed (and kept) at a time per source: vectorised, constant memory
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -96,6 +96,22 @@ class GlobalOrder:
         weights = np.array([src.spec.weight for src in sources], dtype=np.float64)
         self.cum_weights = np.cumsum(weights / weights.sum())
         self.seq_len, self.seed = seq_len, seed
+        self._chunks: dict[int, tuple[tuple[int, int], np.ndarray]] = {}  # source -> ((epoch, chunk), values)
+
+    def _permuted(self, k: int, epoch: int, start: int, count: int) -> np.ndarray:
+        """P_{seed, k, epoch}(start ... start + count - 1), within one epoch, through the chunk cache."""
+        out, n = [], self.blocks[k]
+        while count:
+            chunk = start // CHUNK
+            key, cached = self._chunks.get(k, (None, None))
+            if key != (epoch, chunk):
+                lo = chunk * CHUNK
+                cached = permute(np.arange(lo, min(n, lo + CHUNK)), n, self.seed, TAG_PERMUTATION, k, epoch)
+                self._chunks[k] = ((epoch, chunk), cached)
+            take = min(count, (chunk + 1) * CHUNK - start)
+            out.append(cached[start - chunk * CHUNK : start - chunk * CHUNK + take])
+            start, count = start + take, count - take
+        return np.concatenate(out) if len(out) != 1 else out[0]
 
     def initial_state(self) -> dict:
         return {"draws": 0, "sources": [[0, 0] for _ in self.files]}
@@ -109,21 +125,21 @@ class GlobalOrder:
 
     def next_draws(self, state: dict, count: int) -> tuple[list[tuple[int, int]], dict]:
         """The next `count` draws as (source, block) and the state after them."""
-        state = copy.deepcopy(state)
+        state = {"draws": state["draws"], "sources": [list(pos) for pos in state["sources"]]}
         t = state["draws"]
         if len(self.files) == 1:
-            chosen = np.zeros(count, dtype=np.int64)
+            chosen = None
         else:
             u = np.array([uniform(self.seed, TAG_GLOBAL_MIX, t + j) for j in range(count)])
             chosen = np.minimum(np.searchsorted(self.cum_weights, u, side="right"), len(self.files) - 1)
         draws: list[tuple[int, int]] = [(0, 0)] * count
-        for k in np.unique(chosen).tolist():
-            where = np.flatnonzero(chosen == k)
+        for k in [0] if chosen is None else np.unique(chosen).tolist():
+            where = np.arange(count) if chosen is None else np.flatnonzero(chosen == k)
             epoch, index = state["sources"][k]
             n, got = self.blocks[k], 0
             while got < len(where):  # one permutation per epoch the draws reach
                 take = min(len(where) - got, n - index)
-                blocks = permute(np.arange(index, index + take), n, self.seed, TAG_PERMUTATION, k, epoch)
+                blocks = self._permuted(k, epoch, index, take)
                 for j, b in zip(where[got : got + take].tolist(), blocks.tolist(), strict=True):
                     draws[j] = (k, b)
                 got, index = got + take, index + take
@@ -134,6 +150,8 @@ class GlobalOrder:
         return draws, state
 
     def read(self, draws: list[tuple[int, int]]) -> np.ndarray:
+        if len(self.files) == 1:
+            return self.files[0].read_blocks(np.array([b for _, b in draws]), self.seq_len)
         out = np.empty((len(draws), self.seq_len), dtype=np.int32)
         for k, files in enumerate(self.files):
             rows = [j for j, (src, _) in enumerate(draws) if src == k]
@@ -155,13 +173,15 @@ class GlobalBlocksDataset(IterableDataset):
         info = get_worker_info()
         mine = self.streams if info is None else self.streams[info.id :: info.num_workers]
         num_streams, per_step = len(self.counts), sum(self.counts)
-        rows = {s: list(range(s, per_step, num_streams)) for s in mine}
+        needed = [j for s in mine for j in range(s, per_step, num_streams)]  # stream by stream
+        bounds = np.cumsum([0] + [self.counts[s] for s in mine]).tolist()
         state = self.state
         try:
             self.order.check_state(state)
             while True:
                 draws, state = self.order.next_draws(state, per_step)
-                blocks = {s: torch.from_numpy(self.order.read([draws[j] for j in rows[s]])) for s in mine}
+                read = torch.from_numpy(self.order.read([draws[j] for j in needed]))
+                blocks = {s: read[bounds[i] : bounds[i + 1]] for i, s in enumerate(mine)}
                 epoch = state["sources"][0][0]
                 yield blocks, {s: state for s in mine}, {s: (epoch, 0) for s in mine}, []
         except UserError as err:

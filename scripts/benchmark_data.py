@@ -2,6 +2,7 @@
 
     python scripts/benchmark_data.py                       # everything below (each in its own subprocess)
     python scripts/benchmark_data.py big-restore rss       # some of it: throughput restore big-restore rss mixing
+                                                           #   tokens tokens-rss
     python scripts/benchmark_data.py mixing --rows rows.npy --corpus DIR --tokenizer DIR   # rows saved elsewhere
 
 * throughput: tokens/s of the default corpus' stream (seq_len 256, 8 streams, 16 blocks per step), 0 and 2 workers.
@@ -12,6 +13,11 @@
   (a line start / a row of the last row group but one); the restored stream is checked to resume exactly.
 * rss:        peak RSS of the recipe (smoke model, 8 streams, --rss-steps steps) on a generated 220 MB single
   text file and on a 10x smaller one, and of the loader alone on each.
+* tokens:     tokens/s one data worker delivers (num_workers=1; and in the trainer's process, num_workers=0),
+  the default corpus as text tokenized on the fly (windows shuffle) vs as token files (global shuffle),
+  written to the workdir by scripts/prepare_data.py if absent.
+* tokens-rss: peak RSS of the loader alone over those token files (global shuffle, --token-rss-steps steps)
+  and over the same shards listed 10 times (a 10x corpus): flat in corpus size.
 * mixing:     the mixing statistics of the default recipe's first --mixing-steps steps. Each block's source
   files are found by matching its complete lines (>= 40 characters, unique in the corpus) to the file they
   occur in; then: distinct files per step, and the drift of the data with training: the Spearman correlation
@@ -41,7 +47,7 @@ WORDS = (
 )
 
 
-def _stream(sources=None, workers=0, streams=STREAMS):
+def _stream(sources=None, workers=0, streams=STREAMS, blocks=BLOCKS):
     from lmpretrain.config import DataConfig
     from lmpretrain.data import SourceSpec, TrainStream
     from lmpretrain.data.tokenizer import load_tokenizer
@@ -50,7 +56,7 @@ def _stream(sources=None, workers=0, streams=STREAMS):
     if sources:
         data.train = [SourceSpec(**s) for s in sources]
     tok = load_tokenizer("builtin:python-stdlib")
-    return TrainStream(data, tok, blocks_per_step=BLOCKS, rank=0, world_size=1, seed=0)
+    return TrainStream(data, tok, blocks_per_step=blocks, rank=0, world_size=1, seed=0)
 
 
 def _maxrss_mb() -> float:
@@ -150,6 +156,65 @@ def child_big_restore(path: str, kind: str) -> dict:
         "restore_end_plus_3_steps_s": t_later,
         "exact_at_end": bool((got.input_ids == want).all()),
     }
+
+
+def child_token_throughput(folder: str, workers: int, steps: int, blocks: int) -> dict:
+    """tokens/s of a stream over the default corpus: as text (folder "") or as the token files in `folder`."""
+    ts = _stream([{"files": [folder]}] if folder else None, workers=workers, blocks=blocks)
+    it = iter(ts)
+    for _ in range(10):  # warm-up: worker start, first windows
+        next(it)
+    start = time.perf_counter()
+    for _ in range(steps):
+        next(it)
+    elapsed = time.perf_counter() - start
+    ts.close()
+    return {"steps": steps, "shuffle": ts.shuffle, "tokens_per_s": steps * blocks * SEQ_LEN / elapsed}
+
+
+def child_token_rss(folder: str, steps: int) -> dict:
+    ts = _stream([{"files": [folder]}])
+    it = iter(ts)
+    for _ in range(steps):
+        next(it)
+    files = ts.sources[0].token_files
+    return {"tokens": files.tokens, "bytes": files.tokens * files.dtype.itemsize, "peak_rss_mb": _maxrss_mb()}
+
+
+def stdlib_token_files(work: Path) -> Path:
+    """The default corpus as token files (prepared once into the workdir)."""
+    out = work / "stdlib-tokens"
+    if not out.exists():
+        script = ROOT / "scripts" / "prepare_data.py"
+        subprocess.run(
+            [sys.executable, str(script), "--builtin", "python-stdlib", "--out", str(out)], check=True
+        )
+    return out
+
+
+def repeated_token_files(folder: Path, times: int, out: Path) -> Path:
+    """Token files holding `folder`'s shards `times` over (copies): a corpus `times` the size."""
+    import shutil
+
+    from lmpretrain.data.token_files import HEADER
+
+    if (out / HEADER).exists():
+        return out
+    header = json.loads((folder / HEADER).read_text())
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards = []
+    for r in range(times):
+        for shard in header["shards"]:
+            name = f"r{r}-{shard['name']}"
+            for ext in (".bin", ".idx"):
+                shutil.copyfile(folder / f"{shard['name']}{ext}", tmp / f"{name}{ext}")
+            shards.append({**shard, "name": name})
+    totals = {k: header[k] * times for k in ("tokens", "documents", "skipped")}
+    (tmp / HEADER).write_text(json.dumps({**header, **totals, "shards": shards}))
+    tmp.rename(out)
+    return out
 
 
 def child_loader_rss(path: str, steps: int) -> dict:
@@ -331,6 +396,8 @@ def main() -> None:
     parser.add_argument("--restore-steps", type=int, default=2000)
     parser.add_argument("--rss-steps", type=int, default=60)
     parser.add_argument("--mixing-steps", type=int, default=200)
+    parser.add_argument("--token-steps", type=int, default=2000, help="tokens: steps timed on token files")
+    parser.add_argument("--token-rss-steps", type=int, default=5000)
     parser.add_argument(
         "--rows", help="mixing: a .npy [steps, blocks, seq_len] of rows saved by another version"
     )
@@ -345,6 +412,8 @@ def main() -> None:
             "big-restore": lambda: child_big_restore(rest[0], rest[1]),
             "loader-rss": lambda: child_loader_rss(rest[0], int(rest[1])),
             "mixing": lambda: child_mixing(int(rest[0])),
+            "token-throughput": lambda: child_token_throughput(rest[0], *map(int, rest[1:])),
+            "token-rss": lambda: child_token_rss(rest[0], int(rest[1])),
         }[kind]()
         print(json.dumps(result))
         return
@@ -386,6 +455,30 @@ def main() -> None:
                 f"recipe {recipe['peak_rss_mb']:,.0f} MB, loader alone {loader['peak_rss_mb']:,.0f} MB"
             )
         print(f"recipe: scripts/benchmark.py's run of configs/smoke.yaml {recipe['overrides']}")
+    if "tokens" in args.what:
+        folder = stdlib_token_files(work)
+        runs = [("", args.throughput_steps, BLOCKS), (str(folder), args.token_steps, BLOCKS)]
+        runs.append((str(folder), args.token_steps // 8, 256))  # a bigger batch: per-step costs amortised
+        for workers in (1, 0):
+            for source, steps, blocks in runs:
+                r = run_child("token-throughput", source, str(workers), str(steps), str(blocks))
+                what = "token files" if source else "text tokenized on the fly"
+                print(
+                    f"one data worker (num_workers={workers}), {what} (shuffle {r['shuffle']}), {blocks} blocks "
+                    f"per step: {r['tokens_per_s']:,.0f} tokens/s over {r['steps']} steps"
+                )
+    if "tokens-rss" in args.what:
+        one = stdlib_token_files(work)
+        ten = repeated_token_files(one, 10, work / "stdlib-tokens-x10")
+        peaks = []
+        for folder in (one, ten):
+            r = run_child("token-rss", str(folder), str(args.token_rss_steps))
+            peaks.append(r["peak_rss_mb"])
+            print(
+                f"peak RSS of the loader, token files of {r['tokens']:,} tokens ({r['bytes'] / 1e6:,.0f} MB), "
+                f"{args.token_rss_steps} steps of {BLOCKS} x {SEQ_LEN} tokens, global shuffle: {r['peak_rss_mb']:,.0f} MB"
+            )
+        print(f"10x corpus / 1x corpus peak RSS: {peaks[1] / peaks[0]:.3f}")
     if "mixing" in args.what:
         if args.rows:
             import numpy as np

@@ -1,24 +1,23 @@
-"""Pre-tokenize a source into parquet token shards, for corpora where tokenizing is the bottleneck.
+"""Tokenize a source once into token files (`format: tokens`), for training with the global shuffle.
 
     python scripts/prepare_data.py --builtin python-stdlib --tokenizer builtin:python-stdlib --out data/stdlib-tok
+    python scripts/prepare_data.py --files 'corpus/**/*.jsonl' --tokenizer gpt2 --out data/corpus-tok
     # then, in the config:  data.train: [{files: [data/stdlib-tok], format: tokens}]
 
-One output file per input file and one row per record (or part of a text document), so the tokens source
-streams the blocks the text source would (same seed, streams, world size) whenever the source has at least
-data.num_streams files; BOS/EOS are added when streaming.
+Writes a folder of flat token arrays (uint16/uint32) and document indexes with a tokens.json header
+(layout in docs/data.md), using several processes; the folder appears only when complete. Every
+document is framed [BOS] ids EOS as the run will read it (--add-bos: as data.add_bos).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
-from pathlib import Path
 
 from lmpretrain.data import SourceSpec
-from lmpretrain.data.prepare import pretokenize
-from lmpretrain.data.sources import TOKENS_META
+from lmpretrain.data.token_files import write_token_files
 from lmpretrain.data.tokenizer import load_tokenizer
 from lmpretrain.errors import UserError
 
@@ -41,6 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tokenizer", default="builtin:python-stdlib", help="local dir, Hub id or builtin:..."
     )
+    parser.add_argument(
+        "--add-bos",
+        choices=["auto", "true", "false"],
+        default="auto",
+        help="BOS before each document, as data.add_bos (auto: when the tokenizer has a distinct BOS)",
+    )
+    parser.add_argument("--processes", type=int, default=os.cpu_count(), help="tokenizing processes")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -54,16 +61,25 @@ def main(argv: list[str] | None = None) -> int:
         text_field=args.text_field,
         separator=args.separator,
     )
+    add_bos = {"auto": None, "true": True, "false": False}[args.add_bos]
     start = time.time()
     try:
-        shards = pretokenize(spec, load_tokenizer(args.tokenizer), args.out)
+        header = write_token_files(
+            spec,
+            load_tokenizer(args.tokenizer),
+            args.out,
+            add_bos=add_bos,
+            processes=args.processes,
+            overwrite=args.overwrite,
+        )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    meta = json.loads((Path(args.out) / TOKENS_META).read_text())
     print(
-        f"wrote {len(shards)} shards to {args.out} in {time.time() - start:.1f}s: {meta['documents']:,} documents, "
-        f"{meta['tokens']:,} tokens, {meta['bad']:,} bad records as empty rows (tokenizer {meta['tokenizer_hash']})"
+        f"wrote {len(header['shards'])} shards to {args.out} in {time.time() - start:.1f}s: "
+        f"{header['documents']:,} documents, {header['tokens']:,} tokens ({header['dtype']}), "
+        f"{header['skipped']:,} bad records skipped (tokenizer {header['tokenizer_hash']}, add_bos "
+        f"{header['add_bos']})"
     )
     print(f"use it as a source: {{files: [{args.out}], format: tokens}}")
     return 0

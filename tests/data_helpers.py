@@ -16,7 +16,7 @@ TAG = re.compile(r"<([^>|]+)>")
 
 def make(sources, tok, *, blocks_per_step=4, rank=0, world_size=1, seed=0, **data) -> TrainStream:
     """A TrainStream over `sources` (data section fields as keywords; small defaults)."""
-    settings = dict(seq_len=16, num_streams=4, num_workers=0, shuffle=True, shuffle_window=4)
+    settings = dict(seq_len=16, num_streams=4, num_workers=0, shuffle_window=4)  # shuffle: the default
     settings.update(data)
     cfg = DataConfig(train=list(sources), **settings)
     return TrainStream(cfg, tok, blocks_per_step=blocks_per_step, rank=rank, world_size=world_size, seed=seed)

@@ -31,7 +31,7 @@ def test_yaml_then_overrides_typed(tmp_path):
     assert cfg.train.max_steps == 30
     assert cfg.optim.lr == pytest.approx(1e-3)  # PyYAML reads 1e-3 as a string; coerced to float
     assert cfg.optim.min_lr == pytest.approx(2e-5)
-    assert cfg.data.shuffle is False
+    assert cfg.data.shuffle is False  # the former boolean, read as "none" by the data stream
     assert cfg.model.overrides == {"hidden_size": 32}
     assert cfg.config_path == path
 

@@ -344,22 +344,24 @@ def test_fingerprint_notices_files_added_under_a_glob(tmp_path, small_tokenizer)
 PREPARE = Path(__file__).resolve().parents[1] / "scripts" / "prepare_data.py"
 
 
-def test_prepare_data_pretokenizes_separated_text_that_streams_like_the_text(tmp_path, small_tokenizer):
+def test_prepare_data_writes_token_files_that_stream_like_the_text(tmp_path, small_tokenizer):
     rng = random.Random(3)
     for name in ("a", "b"):
         (tmp_path / f"{name}.txt").write_text("\n\n".join(make_doc(f"{name}{i}", rng) for i in range(30)))
     small_tokenizer.save_pretrained(tmp_path / "tok")
     command = [sys.executable, str(PREPARE), "--files", str(tmp_path / "*.txt"), "--separator", "blank_lines"]
-    command += ["--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "tokens")]
+    command += ["--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "tokens"), "--processes", "1"]
     out = subprocess.run(
         command, capture_output=True, text=True, timeout=300, env={**os.environ, "CI": "true"}
     )
     assert out.returncode == 0, out.stderr
-    assert f"[lmpretrain] pre-tokenizing files:{tmp_path / '*.txt'}: text, 2 files" in out.stderr
-    assert "pre-tokenizing:" not in out.stderr  # no progress bar under CI=true
+    assert f"[lmpretrain] tokenizing files:{tmp_path / '*.txt'}: text, 2 files" in out.stderr
+    assert "tokenizing:" not in out.stderr  # no progress bar under CI=true
     assert "wrote 2 shards" in out.stdout and "60 documents" in out.stdout
-    text = make([SourceSpec(files=[str(tmp_path / "*.txt")], separator="blank_lines")], small_tokenizer)
-    tokens = make([SourceSpec(files=[str(tmp_path / "tokens")], format="tokens")], small_tokenizer)
+    # Read with the window shuffle, one stream: the same pieces (one per file), so the same blocks.
+    kw = dict(num_streams=1, shuffle="windows")
+    text = make([SourceSpec(files=[str(tmp_path / "*.txt")], separator="blank_lines")], small_tokenizer, **kw)
+    tokens = make([SourceSpec(files=[str(tmp_path / "tokens")], format="tokens")], small_tokenizer, **kw)
     assert all(
         torch.equal(a.input_ids, b.input_ids)
         for a, b in zip(steps(text, 30)[0], steps(tokens, 30)[0], strict=True)

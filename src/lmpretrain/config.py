@@ -20,6 +20,7 @@ from lmpretrain.errors import ConfigError
 
 BLANK_LINES = "blank_lines"  # SourceSpec.separator keyword: documents separated by whitespace-only lines
 SOURCE_FORMATS = ("text", "json", "parquet", "tokens")
+SHUFFLES = ("global", "windows", "none")  # data.shuffle (true/false from older configs: windows/none)
 
 
 @dataclass
@@ -127,8 +128,11 @@ class DataConfig:
     """Background dataloader workers per process (prefetch + tokenization); changes only speed."""
     num_streams: int = 8
     """Virtual data streams; fixed for a run so data order is independent of world size/workers."""
-    shuffle: bool = True
-    """Piece order per epoch, a window shuffle of documents, then a window shuffle of packed blocks."""
+    shuffle: str | bool | None = None
+    """global: blocks drawn by a seeded permutation of every block of the corpus, a new one per epoch
+    (token files only, see docs/data.md) | windows: piece order per epoch, a window shuffle of documents,
+    then of packed blocks | none: in order. null = global when every train source is token files, else
+    windows. true/false (the former boolean) read as windows/none."""
     shuffle_window: int = 64
     """Blocks per block-shuffle window (a restore re-reads at most this plus one document window)."""
     doc_shuffle_window: int = 64
@@ -301,8 +305,9 @@ def _coerce(value, tp, where: str, problems: list[str]):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(value, inner, where, problems)
+        inner = [a for a in args if a is not type(None)]
+        exact = [a for a in inner if type(value) is a]  # `str | bool`: a bool stays a bool
+        return _coerce(value, (exact or inner)[0], where, problems)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             problems.append(f"{where}: expected a mapping of {sorted(_fields(tp))}, got {value!r}")
@@ -478,6 +483,10 @@ def data_problems(data: DataConfig, world_size: int) -> list[str]:
         )
     if data.num_workers < 0:
         p.append("data.num_workers must be >= 0")
+    if data.shuffle not in (None, True, False, "true", "false", *SHUFFLES):
+        p.append(
+            f"data.shuffle must be one of {SHUFFLES} or null (the default for the sources), got {data.shuffle!r}"
+        )
     for key in ("shuffle_window", "doc_shuffle_window"):
         if getattr(data, key) < 1:
             p.append(f"data.{key} must be >= 1")

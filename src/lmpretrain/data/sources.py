@@ -25,6 +25,7 @@ from typing import Any
 from lmpretrain.config import BLANK_LINES, SourceSpec
 from lmpretrain.data import readers
 from lmpretrain.data.readers import Piece
+from lmpretrain.data.token_files import TokenFiles, is_token_folder
 from lmpretrain.errors import DataError
 
 TOKENS_FIELD = "input_ids"  # column of pre-tokenized parquet shards (scripts/prepare_data.py)
@@ -99,8 +100,18 @@ def _mb(n: int) -> str:
 class Source:
     """An opened source: its files (or Hub stream), how to cut it into pieces and how to read a piece."""
 
-    def __init__(self, spec: SourceSpec, fmt: str, files: list[str] | None = None, dataset: Any = None):
+    def __init__(
+        self,
+        spec: SourceSpec,
+        fmt: str,
+        files: list[str] | None = None,
+        dataset: Any = None,
+        token_files: TokenFiles | None = None,
+    ):
         self.spec, self.format, self.dataset = spec, fmt, dataset
+        self.token_files = token_files  # token-file folders (data/token_files.py); else parquet token shards
+        if token_files is not None:
+            files = token_files.files()
         self.files = files or []
         self.sizes = [_file_size(f) for f in self.files]
         self.tokens = fmt == "tokens"
@@ -138,6 +149,8 @@ class Source:
     def _plan(self, num_streams: int) -> list[Piece]:
         if self.is_hub:
             return [Piece(i) for i in range(self.dataset.n_shards)]
+        if self.token_files is not None:
+            return self.token_files.pieces(num_streams)
         total = sum(self.sizes)
         pieces: list[Piece] = []
         for f, size in enumerate(self.sizes):
@@ -176,6 +189,8 @@ class Source:
             return readers.read_datasets_shard(
                 self.dataset, n, piece.file, at, self.field, self.describe(piece)
             )
+        if self.token_files is not None:
+            return self.token_files.units(piece, at)
         path = self.files[piece.file]
         if self.format in ("parquet", "tokens"):
             return readers.read_parquet(path, piece, at, self.field, self.tokens, self.has_flags)
@@ -191,6 +206,8 @@ class Source:
         path = self.files[piece.file]
         if piece.end is None and piece.start == 0:
             return path
+        if self.token_files is not None:
+            return f"{path} (documents {piece.start}-{piece.end})"
         unit = "row groups" if self.format in ("parquet", "tokens") else "bytes"
         return f"{path} ({unit} {piece.start}-{piece.end})"
 
@@ -207,7 +224,9 @@ class Source:
             ),
             "json": f"JSON records, field {self.field!r}",
             "parquet": f"parquet, column {self.field!r}",
-            "tokens": "pre-tokenized parquet",
+            "tokens": "pre-tokenized parquet"
+            if self.token_files is None
+            else f"token files, {self.token_files.tokens:,} tokens in {self.token_files.documents:,} documents",
         }[self.format]
         n = len(self.files)
         where = (
@@ -242,6 +261,8 @@ def open_source(spec: SourceSpec | dict) -> Source:
         if spec.name not in BUILTIN_DATASETS:
             raise DataError(f"unknown builtin dataset {spec.name!r}; available: {sorted(BUILTIN_DATASETS)}")
         files, fmt = BUILTIN_DATASETS[spec.name](spec.split), "json"
+    elif spec.format in ("tokens", None) and any(map(is_token_folder, spec.files or [])):
+        return _open_token_files(spec)
     else:
         files = expand_files(spec.files)
         fmt = spec.format or infer_format(files)
@@ -264,6 +285,19 @@ def _file_size(path: str) -> int:
 
     fs, inner = fsspec.core.url_to_fs(path)
     return int(fs.size(inner))
+
+
+def _open_token_files(spec: SourceSpec) -> Source:
+    """A source over token-file folders (scripts/prepare_data.py); every path must be one."""
+    others = [f for f in spec.files if not is_token_folder(f)]
+    if others:
+        raise DataError(
+            f"source {spec.label}: {others} are not token-file folders (no tokens.json) while the other paths "
+            "are; give token files and other files as separate sources"
+        )
+    if spec.separator is not None:
+        raise DataError(f"source {spec.label}: separator applies to text files only, these are token files")
+    return Source(spec, "tokens", token_files=TokenFiles(spec.files))
 
 
 def _open_hub(spec: SourceSpec) -> Source:
@@ -371,6 +405,11 @@ def open_sources(specs: list[SourceSpec | dict], tokenizer) -> list[Source]:
         raise DataError("no data sources given (data.train or data.eval is empty)")
     opened = [open_source(s) for s in specs]
     for src in opened:
+        if src.token_files is not None:
+            from lmpretrain.data.token_files import check_tokenizer
+
+            check_tokenizer(src.token_files, tokenizer, src.label)
+            continue
         meta = read_tokens_meta(src) if src.tokens else None
         if meta is not None:
             from lmpretrain.data.tokenizer import tokenizer_hash

@@ -23,6 +23,7 @@ from lmpretrain.config import data_problems
 from lmpretrain.data import mixture
 from lmpretrain.data.block_stream import BlockStream, StreamSettings
 from lmpretrain.data.encoder import Encoder
+from lmpretrain.data.global_shuffle import GlobalBlocksDataset, GlobalOrder, resolve_shuffle
 from lmpretrain.data.sources import Source, open_sources
 from lmpretrain.errors import DataError, UserError
 
@@ -163,11 +164,17 @@ class TrainStream:
         self.source_ids = list(range(len(self.sources)))  # seeds of their piece orders (data/mixture.py)
         self.source_names = mixture.metric_names(self.specs)
         self.tokenizer = tokenizer
+        self.shuffle = resolve_shuffle(data.shuffle, self.sources)
+        self.order = (
+            GlobalOrder(self.sources, data.seq_len, seed, self.encoder.add_bos)
+            if self.shuffle == "global"
+            else None
+        )
         self.settings = StreamSettings(
             num_streams=data.num_streams,
             seq_len=data.seq_len,
             seed=seed,
-            shuffle=data.shuffle,
+            shuffle=self.shuffle == "windows",
             block_window=data.shuffle_window,
             doc_window=data.doc_shuffle_window,
         )
@@ -175,7 +182,7 @@ class TrainStream:
         self.rank, self.world_size, self.num_workers = rank, world_size, data.num_workers
         self.owned = [s for s in range(self.num_streams) if s % world_size == rank]
         self.counts = blocks_per_stream(blocks_per_step, self.num_streams)
-        for src in self.sources:
+        for src in self.sources if self.order is None else []:  # the global shuffle has no pieces
             n = len(src.pieces(self.num_streams))
             if n < self.num_streams:
                 keep_every = -(-self.num_streams // n)
@@ -188,7 +195,10 @@ class TrainStream:
                     keep_every,
                     keep_every,
                 )
-        initial = BlockStream.initial_state(len(self.sources))
+        if self.order is not None:
+            initial = self.order.initial_state()
+        else:
+            initial = BlockStream.initial_state(len(self.sources))
         self._states: dict[int, dict] = {s: copy.deepcopy(initial) for s in self.owned}
         self._reported: set[str] = set()
         self._loader_iter = None
@@ -198,11 +208,12 @@ class TrainStream:
         """One line on what is read and how, for the start-up log."""
         s = self.settings
         sources = "; ".join(src.summary(s.num_streams) for src in self.sources)
-        shuffle = (
-            f"shuffle: piece order per epoch, {s.doc_window}-document windows, {s.block_window}-block windows"
-            if s.shuffle
-            else "no shuffle"
-        )
+        shuffle = {
+            "global": "shuffle: global, a seeded permutation of every block of the corpus per epoch",
+            "windows": f"shuffle: windows, piece order per epoch, {s.doc_window}-document windows, "
+            f"{s.block_window}-block windows",
+            "none": "no shuffle",
+        }[self.shuffle]
         return (
             f"data: {sources}; {self.encoder.describe()}; {s.num_streams} streams x {s.seq_len}-token blocks, "
             f"{self.blocks_per_step} blocks per step; {shuffle}"
@@ -211,15 +222,19 @@ class TrainStream:
     def __iter__(self) -> Iterator[StepBlocks]:
         """Start (or restart) from the current state: the last consumed step, or what `load_state_dict` set."""
         self.close()
-        self._dataset = _StreamsDataset(
-            self.sources,
-            self.encoder,
-            self.settings,
-            self.owned,
-            copy.deepcopy(self._states),
-            self.counts,
-            self.source_ids,
-        )
+        if self.order is not None:  # every stream holds the same position: the step's
+            state = copy.deepcopy(self._states[self.owned[0]])
+            self._dataset = GlobalBlocksDataset(self.order, self.owned, state, self.counts)
+        else:
+            self._dataset = _StreamsDataset(
+                self.sources,
+                self.encoder,
+                self.settings,
+                self.owned,
+                copy.deepcopy(self._states),
+                self.counts,
+                self.source_ids,
+            )
         if self.num_workers == 0:
             items = iter(self._dataset)
         else:
@@ -321,7 +336,7 @@ class TrainStream:
             "seq_len": s.seq_len,
             "num_streams": s.num_streams,
             "seed": s.seed,
-            "shuffle": s.shuffle,
+            "shuffle": self.shuffle,
             "shuffle_window": s.block_window,
             "doc_shuffle_window": s.doc_window,
             "data_version": STATE_VERSION,

@@ -1,0 +1,195 @@
+"""`data.shuffle: global`: training blocks drawn from token files by a seeded permutation of every block
+position in the corpus, a new permutation each epoch.
+
+A token source of n blocks (`seq_len` tokens at offsets 0, seq_len, 2 seq_len, ... of each shard) is read
+in the order block(e, i) = P_{seed, source, e}(i), i = 0..n-1, for epochs e = 0, 1, ...; P is a keyed
+bijection of [0, n) (a Feistel network cycle-walked into the range), so it takes no memory and any index
+is computed directly. Draw t of the run comes from source k with probability weight_k (a hash of (seed, t));
+the global step's blocks are the next `blocks_per_step` draws, and global block j of a step belongs to
+stream j % num_streams, as in the window path (train_stream.py): world size and workers change who reads
+a block, not which. The position is, per source, (epoch, index) plus the draw counter: a restore computes
+the next blocks from it and reads nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from lmpretrain.config import SHUFFLES
+from lmpretrain.data.block_stream import uniform
+from lmpretrain.data.sources import Source
+from lmpretrain.errors import DataError, UserError
+
+TAG_PERMUTATION, TAG_GLOBAL_MIX = 11, 12
+_ROUNDS = 6
+CHUNK = 1 << 16  # permutation values computed (and kept) at a time per source: vectorised, constant memory
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def resolve_shuffle(value, sources: list[Source]) -> str:
+    """data.shuffle as one of SHUFFLES: null means global when every train source is token files, else
+    windows; the former booleans mean windows (true) and none (false)."""
+    tokens = all(src.token_files is not None for src in sources)
+    if value is None:
+        return "global" if tokens else "windows"
+    value = {True: "windows", False: "none", "true": "windows", "false": "none"}.get(value, value)
+    if value not in SHUFFLES:
+        raise DataError(f"data.shuffle must be one of {SHUFFLES} (or null for the default), got {value!r}")
+    if value == "global" and not tokens:
+        text = [src.label for src in sources if src.token_files is None]
+        raise DataError(
+            f"data.shuffle=global draws blocks from token files, but {text} are not token files; prepare them "
+            "with scripts/prepare_data.py (then `format: tokens`), or set data.shuffle=windows"
+        )
+    return value
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def permute(index: np.ndarray, n: int, *key: int) -> np.ndarray:
+    """P(index) for the keyed bijection P of [0, n): a balanced Feistel network on the smallest even
+    number of bits covering n, applied again to values that land outside [0, n) (cycle walking)."""
+    half = max(1, (max(1, int(n - 1).bit_length()) + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8 * _ROUNDS).digest()
+    keys = np.frombuffer(digest, dtype="<u8")
+
+    def feistel(x: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(half), x & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        return (left << np.uint64(half)) | right
+
+    with np.errstate(over="ignore"):
+        out = feistel(np.asarray(index, dtype=np.uint64))
+        outside = out >= n
+        while outside.any():
+            out[outside] = feistel(out[outside])
+            outside = out >= n
+    return out.astype(np.int64)
+
+
+class GlobalOrder:
+    """The run's block order over token sources (see the module docstring); the state is plain data."""
+
+    def __init__(self, sources: list[Source], seq_len: int, seed: int, add_bos: bool):
+        for src in sources:
+            if src.token_files.add_bos != add_bos:
+                raise DataError(
+                    f"source {src.label}: token files were prepared with add_bos={src.token_files.add_bos}, "
+                    f"the run has data.add_bos={add_bos}; set data.add_bos={str(src.token_files.add_bos).lower()}"
+                    " or prepare them again (the global shuffle reads documents as framed on disk)"
+                )
+            if src.token_files.block_offsets(seq_len)[-1] == 0:
+                raise DataError(f"source {src.label} holds no block of {seq_len} tokens; lower data.seq_len")
+        self.files = [src.token_files for src in sources]
+        self.blocks = [int(f.block_offsets(seq_len)[-1]) for f in self.files]
+        weights = np.array([src.spec.weight for src in sources], dtype=np.float64)
+        self.cum_weights = np.cumsum(weights / weights.sum())
+        self.seq_len, self.seed = seq_len, seed
+        self._chunks: dict[int, tuple[tuple[int, int], np.ndarray]] = {}  # source -> ((epoch, chunk), values)
+
+    def _permuted(self, k: int, epoch: int, start: int, count: int) -> np.ndarray:
+        """P_{seed, k, epoch}(start ... start + count - 1), within one epoch, through the chunk cache."""
+        out, n = [], self.blocks[k]
+        while count:
+            chunk = start // CHUNK
+            key, cached = self._chunks.get(k, (None, None))
+            if key != (epoch, chunk):
+                lo = chunk * CHUNK
+                cached = permute(np.arange(lo, min(n, lo + CHUNK)), n, self.seed, TAG_PERMUTATION, k, epoch)
+                self._chunks[k] = ((epoch, chunk), cached)
+            take = min(count, (chunk + 1) * CHUNK - start)
+            out.append(cached[start - chunk * CHUNK : start - chunk * CHUNK + take])
+            start, count = start + take, count - take
+        return np.concatenate(out) if len(out) != 1 else out[0]
+
+    def initial_state(self) -> dict:
+        return {"draws": 0, "sources": [[0, 0] for _ in self.files]}
+
+    def check_state(self, state: dict) -> None:
+        if "draws" not in state or len(state.get("sources", [])) != len(self.files):
+            raise DataError(
+                "the data state was not saved by the global shuffle over these sources (data.shuffle or "
+                "data.train changed); resume with the same data settings"
+            )
+
+    def next_draws(self, state: dict, count: int) -> tuple[list[tuple[int, int]], dict]:
+        """The next `count` draws as (source, block) and the state after them."""
+        tokens = list(state.get("tokens") or [0] * len(self.files))  # per source, drawn so far (all streams)
+        state = {"draws": state["draws"], "sources": [list(pos) for pos in state["sources"]]}
+        t = state["draws"]
+        if len(self.files) == 1:
+            chosen = None
+        else:
+            u = np.array([uniform(self.seed, TAG_GLOBAL_MIX, t + j) for j in range(count)])
+            chosen = np.minimum(np.searchsorted(self.cum_weights, u, side="right"), len(self.files) - 1)
+        draws: list[tuple[int, int]] = [(0, 0)] * count
+        for k in [0] if chosen is None else np.unique(chosen).tolist():
+            where = np.arange(count) if chosen is None else np.flatnonzero(chosen == k)
+            epoch, index = state["sources"][k]
+            n, got = self.blocks[k], 0
+            while got < len(where):  # one permutation per epoch the draws reach
+                take = min(len(where) - got, n - index)
+                blocks = self._permuted(k, epoch, index, take)
+                for j, b in zip(where[got : got + take].tolist(), blocks.tolist(), strict=True):
+                    draws[j] = (k, b)
+                got, index = got + take, index + take
+                if index == n:
+                    epoch, index = epoch + 1, 0
+            state["sources"][k] = [epoch, index]
+            tokens[k] += len(where) * self.seq_len
+        state["draws"] = t + count
+        state["tokens"] = tokens
+        return draws, state
+
+    def read(self, draws: list[tuple[int, int]]) -> np.ndarray:
+        if len(self.files) == 1:
+            return self.files[0].read_blocks(np.array([b for _, b in draws]), self.seq_len)
+        out = np.empty((len(draws), self.seq_len), dtype=np.int32)
+        for k, files in enumerate(self.files):
+            rows = [j for j, (src, _) in enumerate(draws) if src == k]
+            if rows:
+                out[rows] = files.read_blocks(np.array([draws[j][1] for j in rows]), self.seq_len)
+        return out
+
+
+class GlobalBlocksDataset(IterableDataset):
+    """Yields, per step, the items `TrainStream` reads from its workers (as `_StreamsDataset` does): every
+    process computes the step's draws and reads the blocks of the streams it owns."""
+
+    def __init__(self, order: GlobalOrder, streams: list[int], state: dict, counts: list[int]):
+        super().__init__()
+        self.order, self.streams, self.state, self.counts = order, streams, state, counts
+        self.block_streams: dict = {}  # TrainStream.close() walks the window path's streams
+
+    def __iter__(self):
+        info = get_worker_info()
+        mine = self.streams if info is None else self.streams[info.id :: info.num_workers]
+        num_streams, per_step = len(self.counts), sum(self.counts)
+        needed = [j for s in mine for j in range(s, per_step, num_streams)]  # stream by stream
+        bounds = np.cumsum([0] + [self.counts[s] for s in mine]).tolist()
+        state = self.state
+        try:
+            self.order.check_state(state)
+            while True:
+                draws, state = self.order.next_draws(state, per_step)
+                read = torch.from_numpy(self.order.read([draws[j] for j in needed]))
+                blocks = {s: read[bounds[i] : bounds[i + 1]] for i, s in enumerate(mine)}
+                epoch, none = state["sources"][0][0], [0] * len(state["tokens"])
+                # Every stream holds the same (global) counts; stream 0 reports them, so the ranks' sum is right.
+                progress = {s: (epoch, 0, state["tokens"] if s == 0 else none) for s in mine}
+                yield blocks, {s: state for s in mine}, progress, []
+        except UserError as err:
+            if info is None:
+                raise
+            yield err

@@ -1,0 +1,293 @@
+"""Token files (`format: tokens`) and the global shuffle: the on-disk layout, an atomic multi-process
+prepare, every block of an epoch drawn exactly once whatever the ranks and workers, exact resume (also
+kill -9 through the recipe), and the refusals (foreign ids, framing mismatch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_doc, write_jsonl_shards
+from data_helpers import by_stream, make, steps
+
+import recipe_runner as rr
+from lmpretrain.data import SourceSpec, merge_data_states
+from lmpretrain.data.global_shuffle import permute
+from lmpretrain.data.token_files import HEADER, write_token_files
+from lmpretrain.errors import DataError
+
+PREPARE = Path(__file__).resolve().parents[1] / "scripts" / "prepare_data.py"
+
+
+def prepare(tmp_path, tok, docs=(30, 20, 45), processes=1, name="tok", **kw) -> Path:
+    paths = write_jsonl_shards(tmp_path / f"{name}-text", list(docs), max_words=40)
+    out = tmp_path / name
+    write_token_files(SourceSpec(files=paths), tok, out, processes=processes, progress=False, **kw)
+    return out
+
+
+def corpus_blocks(folder: Path, seq_len: int) -> list[tuple[int, ...]]:
+    """Every block of the corpus, read straight from the .bin files: seq_len tokens at multiples of seq_len."""
+    header = json.loads((folder / HEADER).read_text())
+    out = []
+    for shard in header["shards"]:
+        ids = np.fromfile(folder / f"{shard['name']}.bin", dtype=header["dtype"])
+        n = len(ids) // seq_len
+        out += [tuple(b) for b in ids[: n * seq_len].reshape(n, seq_len).tolist()]
+    return out
+
+
+def rows(results) -> list[tuple[int, ...]]:
+    return [tuple(b) for r in results for b in r.input_ids.tolist()]
+
+
+def test_layout_holds_every_document_framed_with_an_index(tmp_path, small_tokenizer):
+    folder = prepare(tmp_path, small_tokenizer)
+    header = json.loads((folder / HEADER).read_text())
+    assert header["version"] == 1 and header["dtype"] == "<u2" and header["documents"] == 95
+    assert header["add_bos"] is True and header["vocab_size"] == len(small_tokenizer)
+    bos, eos = small_tokenizer.bos_token_id, small_tokenizer.eos_token_id
+    texts = [json.loads(line)["text"] for p in sorted((tmp_path / "tok-text").iterdir()) for line in open(p)]
+    decoded = []
+    for shard in header["shards"]:
+        ids = np.fromfile(folder / f"{shard['name']}.bin", dtype="<u2")
+        index = np.fromfile(folder / f"{shard['name']}.idx", dtype="<u8")
+        assert len(ids) == shard["tokens"] == index[-1] and len(index) == shard["documents"] + 1
+        for a, b in zip(index[:-1], index[1:], strict=True):
+            doc = ids[a:b].tolist()
+            assert doc[0] == bos and doc[-1] == eos and bos not in doc[1:-1] and eos not in doc[1:-1]
+            decoded.append(small_tokenizer.decode(doc[1:-1]))
+    assert decoded == texts
+    assert header["max_id"] == max(
+        int(np.fromfile(folder / f"{s['name']}.bin", dtype="<u2").max()) for s in header["shards"]
+    )
+
+
+@pytest.mark.slow
+def test_several_processes_write_the_same_files_as_one(tmp_path, small_tokenizer):
+    one = prepare(tmp_path, small_tokenizer, docs=(300, 200, 450), name="one")
+    three = prepare(tmp_path, small_tokenizer, docs=(300, 200, 450), processes=3, name="three")
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in three.iterdir())
+    assert all((one / n).read_bytes() == (three / n).read_bytes() for n in names if n != HEADER)
+
+
+def test_permutation_is_a_bijection_that_changes_with_the_key():
+    for n in (1, 2, 3, 7, 1000, 4097):
+        order = permute(np.arange(n), n, 0, 1, 0, 0)
+        assert sorted(order.tolist()) == list(range(n))
+    a, b = permute(np.arange(1000), 1000, 0, 1, 0, 0), permute(np.arange(1000), 1000, 0, 1, 0, 1)
+    assert not np.array_equal(a, b)
+    # Uniform-looking: consecutive draws land far apart, not in windows.
+    assert np.abs(np.diff(a)).mean() > 250 and abs(np.corrcoef(np.arange(1000), a)[0, 1]) < 0.1
+
+
+def test_every_block_of_an_epoch_is_drawn_once_and_epochs_reshuffle(tmp_path, small_tokenizer):
+    folder = prepare(tmp_path, small_tokenizer)
+    blocks = corpus_blocks(folder, 16)
+    n = len(blocks)
+    assert n > 100
+    ts = make([SourceSpec(files=[str(folder)])], small_tokenizer, blocks_per_step=4, num_streams=4)
+    assert ts.shuffle == "global" and "shuffle: global" in ts.describe()
+    results, _ = steps(ts, (2 * n) // 4 + 1)
+    drawn = rows(results)
+    first, second = drawn[:n], drawn[n : 2 * n]
+    assert Counter(first) == Counter(blocks) == Counter(second)
+    assert first != second and first != blocks  # a new order each epoch, not the file order
+    assert [r.epoch for r in results] == [4 * (i + 1) // n for i in range(len(results))]
+
+
+def two_rank_steps(folder, tok, count, **kw) -> list[dict[int, torch.Tensor]]:
+    """Per step, every stream's blocks, read by 2 ranks (each with kw's workers)."""
+    per_rank = []
+    for rank in (0, 1):
+        ts = make([SourceSpec(files=[str(folder)])], tok, rank=rank, world_size=2, **kw)
+        per_rank.append((ts, steps(ts, count)[0]))
+        ts.close()
+    return [
+        {
+            **by_stream(per_rank[0][1][i].input_ids, per_rank[0][0]),
+            **by_stream(per_rank[1][1][i].input_ids, per_rank[1][0]),
+        }
+        for i in range(count)
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_two_ranks_with_workers_draw_the_blocks_one_rank_draws(tmp_path, small_tokenizer, workers):
+    folder = prepare(tmp_path, small_tokenizer)
+    n = len(corpus_blocks(folder, 16))
+    kw = dict(blocks_per_step=6, num_streams=4)  # uneven: streams give 2, 2, 1, 1 blocks per step
+    count = n // 6 + 2
+    ts = make([SourceSpec(files=[str(folder)])], small_tokenizer, **kw)
+    one = [by_stream(r.input_ids, ts) for r in steps(ts, count)[0]]
+    two = two_rank_steps(folder, small_tokenizer, count, num_workers=workers, **kw)
+    for a, b in zip(one, two, strict=True):
+        assert sorted(a) == sorted(b) == [0, 1, 2, 3]
+        assert all(torch.equal(a[s], b[s]) for s in a)
+    # And the 2-rank epoch holds every block exactly once.
+    drawn = [tuple(x) for step in two for s in range(4) for x in step[s].tolist()]
+    global_order = [tuple(x) for step in one for j in range(6) for x in [step[j % 4][j // 4].tolist()]]
+    assert Counter(global_order[:n]) == Counter(corpus_blocks(folder, 16))
+    assert Counter(drawn) == Counter(global_order)
+
+
+def test_resume_is_exact_across_epochs_world_sizes_and_sources(tmp_path, small_tokenizer):
+    a = prepare(tmp_path, small_tokenizer, name="a")
+    b = prepare(tmp_path, small_tokenizer, docs=(10, 12), name="b")
+    sources = [SourceSpec(files=[str(a)], weight=3.0), SourceSpec(files=[str(b)], weight=1.0)]
+    kw = dict(blocks_per_step=8, num_streams=4, seq_len=16)
+    ts = make(sources, small_tokenizer, **kw)
+    straight = [r.input_ids for r in steps(ts, 60)[0]]
+    first = make(sources, small_tokenizer, **kw)
+    steps(first, 37)
+    state = first.state_dict()
+    resumed = make(sources, small_tokenizer, **kw)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # plain data, as checkpoints store it
+    assert all(torch.equal(x.input_ids, y) for x, y in zip(steps(resumed, 23)[0], straight[37:], strict=True))
+    # Two ranks resume from the one-rank state: together they give the same next steps.
+    halves = []
+    for rank in (0, 1):
+        r = make(sources, small_tokenizer, rank=rank, world_size=2, **kw)
+        r.load_state_dict(state)
+        halves.append((r, steps(r, 3)[0]))
+    for i in range(3):
+        merged = {
+            **by_stream(halves[0][1][i].input_ids, halves[0][0]),
+            **by_stream(halves[1][1][i].input_ids, halves[1][0]),
+        }
+        assert torch.equal(
+            torch.cat([merged[s] for s in range(4)]),
+            torch.cat(list(by_stream(straight[37 + i], ts).values())),
+        )
+    merge_data_states([halves[0][0].state_dict(), halves[1][0].state_dict()])  # consistent across ranks
+    # The mix follows the weights (3:1 of the draws), each source read through its own permutations.
+    after = ts.order.next_draws(ts.order.initial_state(), 4000)[1]
+    per_source = [epoch * ts.order.blocks[k] + index for k, (epoch, index) in enumerate(after["sources"])]
+    assert sum(per_source) == 4000 and abs(per_source[0] / 4000 - 0.75) < 0.03
+
+
+def test_windows_shuffle_and_held_out_read_token_files_as_documents(tmp_path, small_tokenizer):
+    paths = write_jsonl_shards(tmp_path / "text", [30, 20])
+    folder = tmp_path / "tok"
+    write_token_files(SourceSpec(files=paths), small_tokenizer, folder, processes=1, progress=False)
+    kw = dict(num_streams=1, blocks_per_step=4, shuffle="windows")
+    text = make([SourceSpec(files=paths)], small_tokenizer, **kw)
+    tokens = make([SourceSpec(files=[str(folder)], format="tokens")], small_tokenizer, **kw)
+    assert tokens.shuffle == "windows"
+    assert all(
+        torch.equal(a.input_ids, b.input_ids)
+        for a, b in zip(steps(text, 20)[0], steps(tokens, 20)[0], strict=True)
+    )
+    from lmpretrain.config import DataConfig
+    from lmpretrain.data import heldout_blocks
+
+    def held(src):
+        return heldout_blocks(DataConfig(eval=[src], seq_len=16), small_tokenizer, num_blocks=20)
+
+    assert torch.equal(held(SourceSpec(files=paths)), held(SourceSpec(files=[str(folder)])))
+
+
+def test_refusals_name_the_fix(tmp_path, small_tokenizer):
+    from lmpretrain.data.tokenizer import train_bpe
+
+    rng = random.Random(5)
+    bigger = train_bpe([make_doc(f"d{i}", rng) for i in range(400)], vocab_size=600, out_dir=tmp_path / "big")
+    folder = prepare(tmp_path, bigger)
+    assert json.loads((folder / HEADER).read_text())["max_id"] >= len(small_tokenizer)
+    with pytest.raises(
+        DataError, match=r"token files hold id \d+, outside the tokenizer's vocabulary of 320"
+    ):
+        make([SourceSpec(files=[str(folder)])], small_tokenizer)
+    mine = prepare(tmp_path, small_tokenizer, name="mine")
+    with pytest.raises(DataError, match="prepared with add_bos=True, the run has data.add_bos=False"):
+        make([SourceSpec(files=[str(mine)])], small_tokenizer, add_bos=False)
+    text = write_jsonl_shards(tmp_path / "t", [5])
+    with pytest.raises(DataError, match="data.shuffle=global draws blocks from token files"):
+        make([SourceSpec(files=text)], small_tokenizer, shuffle="global")
+    with pytest.raises(DataError, match="exists; choose another --out or pass --overwrite"):
+        write_token_files(SourceSpec(files=text), small_tokenizer, mine, progress=False)
+    (mine / "shard-00000.bin").write_bytes(b"\0\0")
+    with pytest.raises(DataError, match="damaged: prepare it again"):
+        make([SourceSpec(files=[str(mine)])], small_tokenizer)
+
+
+@pytest.mark.slow
+def test_prepare_script_killed_leaves_nothing_that_looks_complete(tmp_path, small_tokenizer):
+    rng = random.Random(9)
+    for i in range(40):  # enough text that the prepare is still running when killed
+        (tmp_path / f"f{i}.txt").write_text("\n\n".join(make_doc(f"{i}.{k}", rng) for k in range(2000)))
+    small_tokenizer.save_pretrained(tmp_path / "tokenizer")
+    out = tmp_path / "tokens"
+    cmd = [sys.executable, str(PREPARE), "--files", str(tmp_path / "*.txt"), "--separator", "blank_lines"]
+    cmd += ["--tokenizer", str(tmp_path / "tokenizer"), "--out", str(out), "--processes", "2"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "CI": "true"}, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".tokens.tmp-*/shard-*.bin")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rr.kill_tree(proc, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not out.exists() and not list(tmp_path.rglob(HEADER))
+    with pytest.raises(DataError):
+        make([SourceSpec(files=[str(out)], format="tokens")], small_tokenizer)
+    # Run again to the end: the folder appears complete, and the leftover temporary is not read.
+    done = subprocess.run(cmd, env={**os.environ, "CI": "true"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "80,000 documents" in done.stdout and (out / HEADER).exists()
+
+
+@pytest.fixture(scope="module")
+def stdlib_tokens(tmp_path_factory, stdlib_cache):
+    """Small JSONL corpora tokenized with the builtin tokenizer the smoke config uses."""
+    from lmpretrain.data.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("stdlib_tokens")
+    paths = write_jsonl_shards(root / "text", [400, 300, 500], max_words=80)
+    val = write_jsonl_shards(root / "val", [200], prefix="val", seed=1, max_words=80)
+    tok = load_tokenizer("builtin:python-stdlib")
+    write_token_files(SourceSpec(files=paths), tok, root / "tok", processes=1, progress=False)
+    return root / "tok", val[0]
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_is_bit_identical_through_the_recipe(stdlib_tokens, tmp_path):
+    folder, val = stdlib_tokens
+    run = [
+        *rr.QUICK,
+        f"--data.train=[{{files: [{folder}]}}]",
+        f"--data.eval=[{{files: [{val}]}}]",
+        "--data.num_workers=2",
+        "--train.max_steps=16",
+        "--checkpoint.every=4",
+        "--eval.every=8",
+        "--logging.wandb_mode=disabled",
+    ]
+    straight = rr.run(tmp_path / "straight", *run)
+    assert "shuffle: global, a seeded permutation" in straight.output
+    out = tmp_path / "killed"
+    proc = rr.start(out, *run)
+    rr.wait_for_step(proc, out, 6)
+    rr.kill_tree(proc, signal.SIGKILL)
+    proc.wait(timeout=120)
+    stopped = rr.read_metrics(out)[-1]["step"]
+    assert stopped < 16
+    resumed = rr.run(out, *run)
+    assert "resum" in resumed.output.lower()
+    assert rr.file_sha256(straight.out / "final" / "model.safetensors") == rr.file_sha256(
+        out / "final" / "model.safetensors"
+    )
+    a = {r["step"]: (r.get("train/loss"), r.get("eval/loss")) for r in straight.metrics()}
+    b = {r["step"]: (r.get("train/loss"), r.get("eval/loss")) for r in resumed.metrics()}
+    assert a == b

@@ -64,6 +64,7 @@ from lmpretrain.update import (
     describe_implementation,
     hyperparameter_changes,
     learning_rate,
+    muon_problems,
     set_lr,
 )
 
@@ -84,6 +85,7 @@ def train(cfg, cleanup: ExitStack) -> None:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     model_config = build_model_config(cfg.model, tokenizer)
     problems = config_problems(cfg, info.world_size) + model_problems(cfg, model_config, tokenizer)
+    problems += muon_problems(cfg.optim, info.sharding)
     if problems:
         raise ConfigError(problems, source=cfg.config_path)
     deepspeed = info.sharding.startswith("deepspeed")

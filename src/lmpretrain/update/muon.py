@@ -82,6 +82,12 @@ def block_matrices(model: nn.Module) -> dict[int, tuple[int, int]]:
             for p in module.parameters(recurse=False):
                 if p.requires_grad and p.dim() in (2, 3) and min(p.shape[-2:]) > 1:
                     matrices[id(p)] = (fused.get(id(p), 1), 1 if isinstance(module, Conv1D) else 0)
+    if not matrices:
+        raise ConfigError(
+            [
+                f"optim.name=muon: the {type(blocks[0]).__name__} blocks hold no weight matrix; use optim.name=adamw"
+            ]
+        )
     return matrices
 
 

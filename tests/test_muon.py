@@ -355,3 +355,31 @@ def test_two_ddp_ranks_train_like_one_process(ddp, tmp_path):
     assert_close_runs(ddp, one, rel=1e-6)
     first, last = ddp.losses()[1], ddp.losses()[10]
     assert last < first - 0.3  # it learns
+
+
+def test_fp16_overflow_skips_the_muon_update_and_momentum():
+    """The fp16 GradScaler unscales every group, and on an inf skips the whole step: no weight, momentum or
+    AdamW moment changes; the next finite step goes through."""
+    from lmpretrain.model.precision import MixedPrecision
+
+    model = tiny("llama").float()
+    opt = build_optimizer(model, muon_cfg())
+    precision = MixedPrecision("fp16", torch.device("cpu"), init_scale=1024.0)
+    ids = torch.randint(0, VOCAB, (2, 10))
+    stepped = []
+    for poisoned in (False, True, False):
+        with precision.autocast():
+            loss = model(input_ids=ids, labels=ids).loss
+        precision.scale(loss.float()).backward()
+        if poisoned:
+            model.model.layers[0].self_attn.q_proj.weight.grad[0, 0] = float("inf")
+        before = copy.deepcopy((dict(model.named_parameters()), opt.state_dict()["state"]))
+        precision.unscale_(opt)
+        stepped.append(precision.step(opt))
+        opt.zero_grad(set_to_none=True)
+        after = (dict(model.named_parameters()), opt.state_dict()["state"])
+        same = all(torch.equal(before[0][n], p) for n, p in after[0].items()) and all(
+            torch.equal(before[1][i][k], v) for i, s in after[1].items() for k, v in s.items()
+        )
+        assert same == poisoned
+    assert stepped == [True, False, True] and precision.loss_scale == 512.0

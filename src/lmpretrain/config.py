@@ -202,6 +202,9 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw | muon: Muon (momentum orthogonalised by Newton-Schulz) for every 2-D weight matrix inside the
+    transformer blocks, AdamW for embeddings, the output head, norms and biases (docs/muon.md)."""
     lr: float = 3e-4
     """Peak learning rate (after warmup)."""
     min_lr: float = 3e-5
@@ -223,6 +226,16 @@ class OptimConfig:
     updates applied and the current config, so changing it (or lr, min_lr, warmup, max_steps) at resume works."""
     decay_fraction: float = 0.2
     """wsd: the last round(decay_fraction * train.max_steps) steps decay to optim.min_lr, along 1 - sqrt."""
+    muon_momentum: float = 0.95
+    """optim.name=muon: the matrices' (Nesterov) momentum."""
+    muon_ns_steps: int = 5
+    """optim.name=muon: Newton-Schulz iterations that orthogonalise each matrix's update."""
+    muon_lr_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """optim.name=muon: match_rms_adamw scales a matrix's lr (optim.lr) by 0.2 * sqrt(max(rows, cols)), so its
+    update has AdamW's RMS and the lr tuned for AdamW carries over | original: optim.muon_lr times
+    sqrt(max(1, rows / cols)) (Keller Jordan's). Both follow the schedule's shape."""
+    muon_lr: float = 0.02
+    """optim.name=muon with muon_lr_scale=original: the matrices' peak lr."""
 
 
 @dataclass
@@ -297,7 +310,7 @@ def _coerce(value, tp, where: str, problems: list[str]):
         allowed = typing.get_args(tp)
         if value in allowed:
             return value
-        near = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.5)
+        near = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.6)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         problems.append(f"{where}={value!r} must be one of {', '.join(map(str, allowed))}{hint}")
         return None
@@ -551,5 +564,10 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append("train.spike_sigma must be > 0")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append("optim.beta1 and optim.beta2 must be in [0, 1)")
+    if o.name == "muon" and not (0 <= o.muon_momentum < 1 and o.muon_ns_steps >= 1 and o.muon_lr > 0):
+        p.append(
+            f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), optim.muon_ns_steps={o.muon_ns_steps} "
+            f">= 1 and optim.muon_lr={o.muon_lr} > 0"
+        )
     p += data_problems(d, world_size)
     return p

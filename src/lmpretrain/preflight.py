@@ -15,6 +15,7 @@ from lmpretrain.model.build import build_model_config, causal_lm_class, contract
 from lmpretrain.model.speed import kernel_problems
 from lmpretrain.run.fingerprint import allow_mismatch_problems
 from lmpretrain.update.guard import guard_problems
+from lmpretrain.update.muon import muon_problems
 
 
 def preflight(cfg: Config, sharding: str, world_size: int, tokenizer):
@@ -64,6 +65,8 @@ def model_problems(cfg: Config, model_config, tokenizer) -> list[str]:
 def backend_problems(cfg: Config, sharding: str) -> list[str]:
     """Settings the launch backend (accelerate config) cannot host."""
     deepspeed = sharding.startswith("deepspeed")
-    return guard_problems(cfg.train, engine_steps=deepspeed) + checkpoint_problems(
-        cfg.checkpoint.format, cfg.checkpoint.async_save, deepspeed=deepspeed
+    return (
+        guard_problems(cfg.train, engine_steps=deepspeed)
+        + checkpoint_problems(cfg.checkpoint.format, cfg.checkpoint.async_save, deepspeed=deepspeed)
+        + muon_problems(cfg.optim, sharding)
     )

@@ -1,6 +1,7 @@
 """How weights change: the optimizer, the learning-rate schedule, the guard that skips bad updates."""
 
 from lmpretrain.update.guard import UpdateGuard
+from lmpretrain.update.muon import muon_problems
 from lmpretrain.update.optim import (
     apply_hyperparameters,
     build_optimizer,
@@ -17,5 +18,6 @@ __all__ = [
     "describe_implementation",
     "hyperparameter_changes",
     "learning_rate",
+    "muon_problems",
     "set_lr",
 ]

@@ -1,4 +1,5 @@
-"""AdamW with weight-decay groups by parameter shape (the lr schedule is in schedule.py)."""
+"""AdamW with weight-decay groups by parameter shape, or Muon for the block matrices with AdamW for the
+rest (optim.name=muon, muon.py); the lr schedule is in schedule.py."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from lmpretrain.update.muon import MuonAdamW, describe_muon, muon_groups, muon_hyperparameters
 
-def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False) -> list[dict]:
-    """Matrices decay; biases and norm scales (dim < 2) never do; embeddings are a choice.
+
+def param_groups(
+    model: nn.Module, weight_decay: float, decay_embeddings: bool = False, exclude: frozenset = frozenset()
+) -> list[dict]:
+    """Matrices decay; biases and norm scales (dim < 2) never do; embeddings are a choice. Parameters
+    whose id is in `exclude` (Muon's) are left out.
 
     Chosen by shape and module type, not by name strings, which silently miss e.g. Llama's RMSNorm.
     """
@@ -19,14 +25,14 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
     }
     decay, no_decay = [], []
     for _, param in model.named_parameters():  # shared (tied) parameters are listed once
-        if not param.requires_grad:
+        if not param.requires_grad or id(param) in exclude:
             continue
         is_embedding = id(param) in embedding_params
         if param.dim() >= 2 and (decay_embeddings or not is_embedding):
             decay.append(param)
         else:
             no_decay.append(param)
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad} - exclude
     grouped = [id(p) for p in decay + no_decay]
     assert len(grouped) == len(set(grouped)) and set(grouped) == trainable, (
         "every trainable parameter must be in exactly one optimizer group"
@@ -38,33 +44,45 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
 
 
 def describe_groups(optimizer: torch.optim.Optimizer) -> str:
+    """What each group updates; with Muon, its matrices first, then AdamW's groups."""
     parts = []
+    if isinstance(optimizer, MuonAdamW):
+        parts.append(describe_muon(optimizer))
     for g in optimizer.param_groups:
+        if g.get("kind") == "muon":
+            continue
         n = sum(p.numel() for p in g["params"])
         parts.append(
-            f"{g['name']}: {len(g['params'])} tensors, {n:,} params, weight_decay={g['weight_decay']}"
+            f"{'AdamW ' if isinstance(optimizer, MuonAdamW) else ''}{g['name']}: {len(g['params'])} tensors, {n:,} params, weight_decay={g['weight_decay']}"
         )
     return "; ".join(parts)
 
 
-def build_optimizer(model: nn.Module, optim_cfg, device: torch.device | None = None) -> torch.optim.AdamW:
-    """AdamW; its moments are fp32 because the parameters are fp32 (autocast only lowers compute).
+def build_optimizer(model: nn.Module, optim_cfg, device: torch.device | None = None) -> torch.optim.Optimizer:
+    """AdamW, or with optim.name=muon Muon for the block matrices and AdamW for the rest (muon.py); moments
+    are fp32 because the parameters are fp32 (autocast only lowers compute).
 
     `optim.fused`: torch's fused kernel when `device` (where training runs; default: the parameters')
     supports it, else the foreach implementation. Same update rule, so checkpoints load across the two
     (`keep_implementation` stops a loaded checkpoint from switching it).
     """
-    groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.decay_embeddings)
+    muon = muon_groups(model, optim_cfg) if optim_cfg.name == "muon" else []
+    matrices = frozenset(id(p) for g in muon for p in g["params"])
+    groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.decay_embeddings, exclude=matrices)
     device = device or next(model.parameters()).device
     fused = optim_cfg.fused and device.type in _get_fused_kernels_supported_devices()
-    optimizer = torch.optim.AdamW(
-        groups,
+    adamw = dict(
         lr=optim_cfg.lr,
         betas=(optim_cfg.beta1, optim_cfg.beta2),
         eps=optim_cfg.eps,
         fused=fused,
         foreach=not fused,
     )
+    if muon:
+        groups = [{**g, "lr": optim_cfg.lr} for g in groups if g["params"]]
+        optimizer = MuonAdamW(muon + groups, adamw)
+    else:
+        optimizer = torch.optim.AdamW(groups, **adamw)
     optimizer.register_load_state_dict_post_hook(partial(keep_implementation, fused=fused))
     return optimizer
 
@@ -72,12 +90,13 @@ def build_optimizer(model: nn.Module, optim_cfg, device: torch.device | None = N
 def keep_implementation(optimizer: torch.optim.Optimizer, *, fused: bool) -> None:
     """Loading a state dict copies its groups' `fused`/`foreach` flags; keep the ones this run chose."""
     for group in optimizer.param_groups:
-        group["fused"], group["foreach"] = fused, not fused
+        if group.get("kind") != "muon":
+            group["fused"], group["foreach"] = fused, not fused
 
 
 def describe_implementation(optimizer: torch.optim.Optimizer, optim_cfg, device: torch.device) -> str:
     """Which AdamW kernel runs, and why when it is not the one asked for."""
-    fused = optimizer.param_groups[0]["fused"]
+    fused = next(g["fused"] for g in optimizer.param_groups if g.get("kind") != "muon")
     why = ""
     if optim_cfg.fused and not fused:
         why = f" (no fused AdamW kernel for {device.type})"
@@ -87,9 +106,12 @@ def describe_implementation(optimizer: torch.optim.Optimizer, optim_cfg, device:
 
 
 def apply_hyperparameters(optimizer: torch.optim.Optimizer, optim_cfg) -> None:
-    """Set betas, eps and the decay group's weight decay from the config: a loaded optimizer state
-    brings back the values it was saved with, and a resume must follow the current config."""
+    """Set betas, eps, the decay group's weight decay and Muon's settings from the config: a loaded optimizer
+    state brings back the values it was saved with, and a resume must follow the current config."""
     for group in optimizer.param_groups:
+        if group.get("kind") == "muon":
+            group.update(muon_hyperparameters(optim_cfg))
+            continue
         group["betas"] = (optim_cfg.beta1, optim_cfg.beta2)
         group["eps"] = optim_cfg.eps
         if group.get("name") == "decay":

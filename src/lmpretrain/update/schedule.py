@@ -34,6 +34,10 @@ _OPTIM_FIELDS = (
     "beta1",
     "beta2",
     "eps",
+    "muon_momentum",
+    "muon_ns_steps",
+    "muon_lr_scale",
+    "muon_lr",
 )
 
 

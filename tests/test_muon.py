@@ -1,0 +1,387 @@
+"""Muon (optim.name=muon): which parameters it updates, its step against a float64 reference computed
+here from the algorithm's definition, the config checks, and (slow) the recipe under DDP and FSDP2 on
+real gloo processes: 2 ranks = 1 rank, FSDP2 = DDP, kill -9 + resume bit-identical, a sharded
+checkpoint resumed on 1 process."""
+
+import copy
+import dataclasses
+import math
+import re
+import shutil
+import signal
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import recipe_runner as rr
+from lmpretrain.config import OptimConfig, config_problems, load_config
+from lmpretrain.errors import ConfigError
+from lmpretrain.update import muon_problems, set_lr
+from lmpretrain.update.muon import MuonAdamW
+from lmpretrain.update.optim import apply_hyperparameters, build_optimizer, describe_groups
+
+TINY = {
+    "llama": {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+    },
+    "gpt2": {
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    },
+    "mixtral": {
+        "hidden_size": 32,
+        "intermediate_size": 24,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 3,
+        "num_experts_per_tok": 2,
+    },
+}
+VOCAB = 96
+
+
+def tiny(model_type: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, **TINY[model_type])
+    config._attn_implementation = "eager"
+    # float64: the eager expert loop (the grouped-matmul kernel takes no float64)
+    extra = {"experts_implementation": "eager"} if model_type == "mixtral" else {}
+    return AutoModelForCausalLM.from_config(config, **extra).double()
+
+
+def muon_cfg(**kw) -> OptimConfig:
+    return OptimConfig(**{"name": "muon", "lr": 0.01, "weight_decay": 0.1, **kw})
+
+
+def names_in(optimizer, model, kind: str) -> set[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)] for g in optimizer.param_groups if g["kind"] == kind for p in g["params"]}
+
+
+# ---- Which parameters Muon updates ----------------------------------------------------------------
+
+
+def test_llama_block_matrices_on_muon_the_rest_on_adamw():
+    model = tiny("llama")
+    opt = build_optimizer(model, muon_cfg())
+    muon, adamw = names_in(opt, model, "muon"), names_in(opt, model, "adamw")
+    assert muon == {
+        f"model.layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+        + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    }
+    # embeddings, the (untied) output head and every norm stay on AdamW
+    assert adamw == {n for n, _ in model.named_parameters()} - muon
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= adamw
+    line = describe_groups(opt)
+    n_muon = sum(p.numel() for n, p in model.named_parameters() if n in muon)
+    assert line.startswith(f"Muon: 14 matrices in 14 tensors, {n_muon:,} params (Nesterov momentum 0.95, 5 ")
+    assert (
+        "AdamW decay: 1 tensors" in line and "AdamW no_decay: 6 tensors" in line
+    )  # lm_head; embed + 5 norms
+
+
+def test_gpt2_fused_qkv_is_split_in_three_and_conv1d_is_read_as_in_out():
+    model = tiny("gpt2")
+    opt = build_optimizer(model, muon_cfg())
+    groups = {g["name"]: g for g in opt.param_groups}
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in groups["muon_conv1d_fused3"]["params"]} == {
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.1.attn.c_attn.weight",
+    }
+    assert {names[id(p)] for p in groups["muon_conv1d"]["params"]} == {
+        f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    }
+    adamw = names_in(opt, model, "adamw")
+    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.attn.c_attn.bias"} <= adamw
+    assert "12 matrices in 8 tensors, 2 fused QKV split per projection" in describe_groups(opt)
+
+
+def test_mixtral_expert_stacks_are_batches_of_matrices():
+    model = tiny("mixtral")
+    opt = build_optimizer(model, muon_cfg())
+    muon = names_in(opt, model, "muon")
+    experts = {n for n, p in model.named_parameters() if p.dim() == 3}
+    assert experts and experts <= muon  # gate_up_proj and down_proj: (experts, rows, cols)
+    # 4 attention projections + the router + 2 expert stacks of 3 experts
+    assert describe_groups(opt).startswith("Muon: 11 matrices in 7 tensors")
+
+
+# ---- The step equals Muon's definition, computed here in float64 ---------------------------------
+
+A, B, C = 3.4445, -4.7750, 2.0315  # Keller Jordan's quintic Newton-Schulz coefficients
+
+
+def newton_schulz(g: torch.Tensor, steps: int) -> torch.Tensor:
+    tall = g.shape[0] > g.shape[1]
+    x = g.T if tall else g
+    x = x / max(x.norm().item(), 1e-7)
+    for _ in range(steps):
+        s = x @ x.T
+        x = A * x + (B * s + C * s @ s) @ x
+    return x.T if tall else x
+
+
+def reference_muon(name: str, p, grad, buf, *, lr, wd, momentum, steps, scale, muon_lr):
+    """Keller Jordan's form: B = mu B + g, Nesterov update g + mu B (torch's lerp form differs by the factor
+    1 - mu, which the normalisation removes). Matrices are (out, in) but GPT-2's Conv1D is (in, out)."""
+    buf.mul_(momentum).add_(grad)
+    u = grad + momentum * buf
+    conv1d = "transformer.h" in name
+    mats = list(u) if u.dim() == 3 else [u]  # an expert stack: one matrix per expert
+    outs = []
+    for m in mats:
+        m = m.T if conv1d else m
+        pieces = 3 if name.endswith("c_attn.weight") else 1  # Q, K, V side by side
+        parts = [newton_schulz(x, steps) for x in m.chunk(pieces, dim=0)]
+        rows, cols = parts[0].shape
+        factor = 0.2 * math.sqrt(max(rows, cols)) * lr if scale == "match_rms_adamw" else None
+        if scale == "original":
+            factor = muon_lr * (lr / 0.01) * math.sqrt(max(1, rows / cols))  # the schedule's factor
+        o = torch.cat(parts, dim=0) * factor
+        outs.append(o.T if conv1d else o)
+    base_lr = lr if scale == "match_rms_adamw" else muon_lr * (lr / 0.01)
+    p.mul_(1 - base_lr * wd).sub_(torch.stack(outs) if u.dim() == 3 else outs[0])
+
+
+@pytest.mark.parametrize(
+    "model_type,scale", [("llama", "match_rms_adamw"), ("llama", "original"), ("gpt2", "match_rms_adamw"),
+                         ("mixtral", "match_rms_adamw")]
+)  # fmt: skip
+def test_muon_steps_equal_a_float64_reference(model_type, scale):
+    model = tiny(model_type)
+    cfg = muon_cfg(muon_lr_scale=scale, muon_lr=0.03, muon_momentum=0.9, muon_ns_steps=4)
+    opt = build_optimizer(model, cfg)
+    ref = copy.deepcopy(model)
+    ref_params = dict(ref.named_parameters())
+    muon = names_in(opt, model, "muon")
+    # The AdamW part is torch's AdamW over the same groups (the AdamW path is tested elsewhere).
+    others = [{**g, "params": [ref_params[n] for n in names_in_group(g, model)]} for g in opt.param_groups]
+    ref_adamw = torch.optim.AdamW([g for g in others if g["kind"] == "adamw"], lr=0.01, betas=(0.9, 0.95))
+    bufs = {n: torch.zeros_like(ref_params[n]) for n in muon}
+    torch.manual_seed(1)
+    for lr in (0.004, 0.01, 0.007):  # the schedule changes the lr every step
+        ids = torch.randint(0, VOCAB, (2, 10))
+        for m in (model, ref):
+            m(input_ids=ids, labels=ids).loss.backward()
+        set_lr(opt, lr)
+        opt.step()
+        set_lr(ref_adamw, lr)
+        with torch.no_grad():
+            for n in muon:
+                p = ref_params[n]
+                reference_muon(n, p, p.grad, bufs[n], lr=lr, wd=0.1, momentum=0.9, steps=4, scale=scale,
+                               muon_lr=0.03)  # fmt: skip
+        ref_adamw.step()
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        for n, p in model.named_parameters():
+            diff = (p - ref_params[n]).norm() / (ref_params[n] - 0).norm()
+            assert diff < 1e-6, (n, diff.item())
+    moved = [
+        n
+        for n in muon
+        if not torch.equal(dict(model.named_parameters())[n], tiny(model_type).get_parameter(n))
+    ]
+    assert sorted(moved) == sorted(muon)
+
+
+def names_in_group(group: dict, model) -> list[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for p in group["params"]]
+
+
+def test_state_dict_round_trip_keeps_momentum_and_relinks_adamw():
+    model = tiny("llama")
+    opt = build_optimizer(model, muon_cfg())
+    ids = torch.randint(0, VOCAB, (2, 10))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = build_optimizer(model, muon_cfg())
+    fresh.load_state_dict(saved)
+    assert isinstance(fresh, MuonAdamW)
+    assert fresh._adamw.state is fresh.state and all(
+        any(g is h for h in fresh.param_groups) for g in fresh._adamw.param_groups
+    )
+    kinds = {k for s in fresh.state.values() for k in s}
+    assert kinds == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}
+    # a resume with other settings takes the config's
+    apply_hyperparameters(fresh, muon_cfg(muon_momentum=0.8, muon_ns_steps=3, weight_decay=0.05))
+    muon_group = next(g for g in fresh.param_groups if g["kind"] == "muon")
+    assert (muon_group["momentum"], muon_group["ns_steps"], muon_group["weight_decay"]) == (0.8, 3, 0.05)
+    assert "betas" not in muon_group
+
+
+# ---- Config checks --------------------------------------------------------------------------------
+
+
+def test_bad_muon_settings_are_one_clear_problem():
+    cfg = load_config([str(rr.SMOKE), "--optim.name=muon", "--optim.muon_momentum=1.0"])
+    assert [p for p in config_problems(cfg, 1) if "muon" in p] == [
+        "optim.muon_momentum=1.0 must be in [0, 1), optim.muon_ns_steps=5 >= 1 and optim.muon_lr=0.02 > 0"
+    ]
+    with pytest.raises(ConfigError) as err:  # allowed values are checked as the config loads
+        load_config([str(rr.SMOKE), "--optim.name=lion", "--optim.muon_lr_scale=rms"])
+    assert err.value.problems == [
+        "optim.name='lion' must be one of adamw, muon",
+        "optim.muon_lr_scale='rms' must be one of match_rms_adamw, original",
+    ]
+
+
+def test_deepspeed_and_fsdp1_are_refused_ddp_and_fsdp2_are_not():
+    cfg = dataclasses.replace(OptimConfig(), name="muon")
+    (problem,) = muon_problems(cfg, "deepspeed-zero2")
+    assert problem.startswith("optim.name=muon cannot run under deepspeed-zero2: it flattens the parameters")
+    assert muon_problems(cfg, "fsdp1")
+    for ok in (
+        "none",
+        "ddp (replicated)",
+        "fsdp2 (accelerate's FSDP2 over gloo, switched on by the recipe on cpu)",
+    ):
+        assert muon_problems(cfg, ok) == []
+    assert muon_problems(OptimConfig(), "deepspeed-zero2") == []  # AdamW runs there
+
+
+def test_a_model_without_blocks_is_refused():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10))
+    with pytest.raises(ConfigError, match="found no transformer blocks in Sequential"):
+        build_optimizer(model, muon_cfg())
+
+
+# ---- The recipe on real processes (slow) ----------------------------------------------------------
+
+MUON = [*rr.EXACT, "--optim.name=muon", "--train.micro_batch_size=2", "--train.grad_accum_steps=2"]
+FSDP_RUN = [*MUON, "--checkpoint.every=4", "--checkpoint.keep_last=3"]
+TIMEOUT = 1200  # generous: a loaded 2-core machine runs these at a fraction of its speed
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return rr.run(tmp_path_factory.mktemp("muon-ddp") / "run", *FSDP_RUN, launch="cpu-ddp", timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    return rr.run(tmp_path_factory.mktemp("muon-fsdp") / "run", *FSDP_RUN, launch="cpu-fsdp", timeout=TIMEOUT)
+
+
+def assert_close_runs(a: rr.Run, b: rr.Run, rel: float) -> None:
+    for x, y in zip(a.metrics(), b.metrics(), strict=True):
+        for key in ("train/loss", "train/grad_norm", "eval/loss"):
+            assert x.get(key, 0.0) == pytest.approx(y.get(key, 0.0), rel=rel), (key, x["step"])
+    assert rr.rel_diff(a.weights(), b.weights()) < rel
+
+
+@pytest.mark.slow
+def test_fsdp2_trains_like_ddp_in_float64(fsdp, ddp):
+    assert "sharding=fsdp2" in fsdp.output and "Muon: 14 matrices" in fsdp.output
+    assert_close_runs(fsdp, ddp, rel=1e-6)
+
+
+def killed_then_resumed(out, launch: str) -> tuple[int, rr.Run]:
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        proc = rr.start(out, *FSDP_RUN, launch=launch, log=log)
+        rr.wait_for_step(proc, out, 6, timeout=TIMEOUT)
+        rr.kill_tree(proc, signal.SIGKILL)
+        proc.wait(timeout=60)
+    killed_at = rr.read_metrics(out)[-1]["step"]
+    assert killed_at < 10, "the run finished before it could be killed"
+    resumed = rr.run(out, *FSDP_RUN, launch=launch, timeout=TIMEOUT)
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", resumed.output).group(1))
+    assert resumed_at in (4, 8) and resumed_at <= killed_at
+    return resumed_at, resumed
+
+
+def assert_bit_identical(straight: rr.Run, resumed: rr.Run) -> None:
+    assert rr.file_sha256(straight.out / "final" / "model.safetensors") == rr.file_sha256(
+        resumed.out / "final" / "model.safetensors"
+    )
+    assert [r["step"] for r in resumed.metrics()] == list(range(0, 11))
+    for x, y in zip(straight.metrics(), resumed.metrics(), strict=True):
+        keys = ("train/loss", "train/grad_norm", "eval/loss")
+        assert [x.get(k) for k in keys] == [y.get(k) for k in keys], x["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["cpu-fsdp", "cpu-ddp"])
+def test_kill_9_then_resume_is_bit_identical(launch, request, tmp_path):
+    """Full checkpoints under DDP, sharded (DCP) under FSDP2: momentum buffers come back exactly."""
+    straight = request.getfixturevalue("ddp" if launch == "cpu-ddp" else "fsdp")
+    _, resumed = killed_then_resumed(tmp_path / "killed", launch)
+    assert_bit_identical(straight, resumed)
+    fmt = "full" if launch == "cpu-ddp" else "sharded"
+    assert f"checkpoints: format={fmt}" in resumed.output
+
+
+@pytest.mark.slow
+def test_a_sharded_muon_checkpoint_resumes_on_one_process(fsdp, tmp_path):
+    out = tmp_path / "one"
+    shutil.copytree(fsdp.out, out)
+    shutil.rmtree(out / "final")
+    for ckpt in (out / "checkpoints").glob("step-*"):
+        if ckpt.name != "step-00000004":
+            shutil.rmtree(ckpt)
+    one = rr.run(
+        out,
+        *FSDP_RUN,
+        "--train.micro_batch_size=4",
+        "--run.allow_mismatch=true",
+        launch="cpu",
+        timeout=TIMEOUT,
+    )
+    assert "world_size=1" in one.output and "at step 4" in one.output
+    ref = fsdp.losses()
+    assert [one.losses()[s] for s in range(5, 11)] == pytest.approx([ref[s] for s in range(5, 11)], rel=1e-6)
+    assert rr.rel_diff(one.weights(), fsdp.weights()) < 1e-6
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_train_like_one_process(ddp, tmp_path):
+    one = rr.run(tmp_path / "one", *FSDP_RUN, "--train.micro_batch_size=4", launch="cpu", timeout=TIMEOUT)
+    assert "Muon: 14 matrices in 14 tensors" in one.output
+    assert_close_runs(ddp, one, rel=1e-6)
+    first, last = ddp.losses()[1], ddp.losses()[10]
+    assert last < first - 0.3  # it learns
+
+
+def test_fp16_overflow_skips_the_muon_update_and_momentum():
+    """The fp16 GradScaler unscales every group, and on an inf skips the whole step: no weight, momentum or
+    AdamW moment changes; the next finite step goes through."""
+    from lmpretrain.model.precision import MixedPrecision
+
+    model = tiny("llama").float()
+    opt = build_optimizer(model, muon_cfg())
+    precision = MixedPrecision("fp16", torch.device("cpu"), init_scale=1024.0)
+    ids = torch.randint(0, VOCAB, (2, 10))
+    stepped = []
+    for poisoned in (False, True, False):
+        with precision.autocast():
+            loss = model(input_ids=ids, labels=ids).loss
+        precision.scale(loss.float()).backward()
+        if poisoned:
+            model.model.layers[0].self_attn.q_proj.weight.grad[0, 0] = float("inf")
+        before = copy.deepcopy((dict(model.named_parameters()), opt.state_dict()["state"]))
+        precision.unscale_(opt)
+        stepped.append(precision.step(opt))
+        opt.zero_grad(set_to_none=True)
+        after = (dict(model.named_parameters()), opt.state_dict()["state"])
+        same = all(torch.equal(before[0][n], p) for n, p in after[0].items()) and all(
+            torch.equal(before[1][i][k], v) for i, s in after[1].items() for k, v in s.items()
+        )
+        assert same == poisoned
+    assert stepped == [True, False, True] and precision.loss_scale == 512.0

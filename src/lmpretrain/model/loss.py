@@ -101,7 +101,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int, label_smoothing: float, z_loss: float):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        targets,
+        chunk: int,
+        label_smoothing: float,
+        z_loss: float,
+        grad_enabled: bool,
+    ):
         dtype = _compute_dtype(weight)
         acc = _accumulation_dtype(dtype)
         vocab = weight.size(0)
@@ -111,7 +121,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_dtype = acc if dtype == torch.float16 else dtype
         w_grad = w if grad_dtype == dtype else weight.to(grad_dtype)
         b = bias.to(dtype) if bias is not None else None
-        want_grad = any(ctx.needs_input_grad[:3])
+        # needs_input_grad follows requires_grad, not grad mode (torch 2.13: True under no_grad), so
+        # evaluation would build the hidden and weight gradients (3x the matmuls, a vocab x hidden fp32
+        # buffer); autograd.Function.forward itself runs with grad mode off, so the caller's is passed in.
+        want_grad = grad_enabled and any(ctx.needs_input_grad[:3])
         ce = torch.zeros((), dtype=acc, device=hidden.device)
         z = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = None
@@ -169,7 +182,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             (grad_weight * scale).to(weight_dtype) if ctx.needs_input_grad[1] else None,
             (grad_bias * scale).to(bias_dtype) if ctx.needs_input_grad[2] else None,
         ]
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def chunked_loss_sums(
@@ -187,7 +200,14 @@ def chunked_loss_sums(
     keep = targets.reshape(-1) != IGNORE_INDEX
     rows = hidden.reshape(-1, hidden.size(-1))[keep]
     objective, ce, z = _ChunkedLinearCrossEntropy.apply(
-        rows, weight, bias, targets.reshape(-1)[keep], chunk_tokens, label_smoothing, z_loss
+        rows,
+        weight,
+        bias,
+        targets.reshape(-1)[keep],
+        chunk_tokens,
+        label_smoothing,
+        z_loss,
+        torch.is_grad_enabled(),
     )
     return LossSums(objective, ce, z)
 
@@ -204,17 +224,34 @@ def liger_loss_sums(
     """`liger`: Liger's fused linear cross-entropy (Triton, CUDA only); its loss includes the z term."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    loss, z_term = liger_fused_linear_cross_entropy(
+    out = liger_fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.size(-1)),
         weight,
         targets.reshape(-1),
         bias,
-        ignore_index=IGNORE_INDEX,
-        lse_square_scale=z_loss,
-        label_smoothing=label_smoothing,
-        reduction="sum",
-        return_z_loss=True,
+        **liger_arguments(label_smoothing, z_loss),
     )
+    loss, z_term = liger_outputs(out)
     z_term = z_term if z_term is not None else torch.zeros_like(loss)
     z = (z_term / z_loss).detach() if z_loss else torch.zeros_like(loss)
     return LossSums(loss, (loss - z_term).detach(), z)
+
+
+def liger_arguments(label_smoothing: float, z_loss: float) -> dict:
+    """The keyword arguments we pass to `liger_fused_linear_cross_entropy` (the same in 0.5.10 to 0.8.5)."""
+    return {
+        "ignore_index": IGNORE_INDEX,
+        "lse_square_scale": z_loss,
+        "label_smoothing": label_smoothing,
+        "reduction": "sum",
+        "return_z_loss": True,
+    }
+
+
+def liger_outputs(out) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, z term) from what Liger returns with return_z_loss=True: a `(loss, z_loss)` tuple up to
+    liger-kernel 0.6.2, a `CrossEntropyOutput` dataclass (fields loss, z_loss, ...) in 0.8.x."""
+    if isinstance(out, tuple):
+        loss, z_term = out
+        return loss, z_term
+    return out.loss, out.z_loss

@@ -59,7 +59,7 @@ def kernel_problems(cfg, model_config) -> list[str]:
             need
             for need, ok in (
                 (
-                    "the liger-kernel package (pip install liger-kernel)",
+                    "the liger-kernel package (pip install -e .[gpu])",
                     importlib.util.find_spec("liger_kernel"),
                 ),
                 ("a CUDA GPU", torch.cuda.is_available()),

@@ -30,6 +30,7 @@ from lmpretrain.model import (
     MixedPrecision,
     build_model,
     build_model_config,
+    check_sharded_precision,
     compile_seconds,
     count_targets,
     make_labels,
@@ -115,6 +116,8 @@ def train(cfg, cleanup: ExitStack) -> None:
     # before each step from the updates really applied), under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)
     say(f"[lmpretrain] {runtime.describe_wrapping(model, accelerator)}")
+    if info.sharding.startswith("fsdp2"):  # every rank: the check runs a forward of a few tokens
+        say(f"[lmpretrain] {check_sharded_precision(model, optimizer, cfg.train)}")
     say(f"[lmpretrain] {checkpointer.describe()}")
     if deepspeed:
         say(f"[lmpretrain] {precision.check_engine_weights(model)}")

@@ -5,6 +5,7 @@ from lmpretrain.model.build import build_model, build_model_config, parameter_co
 from lmpretrain.model.loss import count_targets, make_labels
 from lmpretrain.model.objective import LMObjective
 from lmpretrain.model.precision import MixedPrecision
+from lmpretrain.model.sharded_precision import check_sharded_precision
 from lmpretrain.model.speed import compile_seconds, prepare_model
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "MixedPrecision",
     "build_model",
     "build_model_config",
+    "check_sharded_precision",
     "compile_seconds",
     "count_targets",
     "make_labels",

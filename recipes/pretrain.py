@@ -41,6 +41,7 @@ from lmpretrain.observe import (
     ConsoleWarnings,
     Evaluator,
     MFUMeter,
+    StepProfiler,
     Tracker,
     format_log_line,
     generate_sample,
@@ -191,6 +192,9 @@ def train(cfg, cleanup: ExitStack) -> None:
     # run seeds it, a resumed run continues the saved one.
     loop_rng.start()
     preemption = cleanup.enter_context(PreemptionHandler())
+    profiler = cleanup.enter_context(  # train.profile_steps; on CUDA an out-of-memory snapshot
+        StepProfiler(cfg.train.profile_steps, out / "profile", accelerator.device, info.rank, say)
+    )
     progress = step_bar(total=cfg.train.max_steps, initial=state.step, enabled=accelerator.is_main_process)
     cleanup.callback(progress.close)
     max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
@@ -198,6 +202,7 @@ def train(cfg, cleanup: ExitStack) -> None:
     if state.step == 0 and cfg.eval.every:  # the baseline every curve starts from
         tracker.log({**run_eval(), "train/tokens_seen": 0}, step=0)
     while state.step < cfg.train.max_steps:
+        profiler.step(state.step + 1)
         t_start = time.perf_counter()
         batch = next(batches)  # 1. load
         t_data = time.perf_counter() - t_start

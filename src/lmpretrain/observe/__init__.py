@@ -3,6 +3,7 @@
 from lmpretrain.observe.console import ConsoleWarnings, format_log_line
 from lmpretrain.observe.evaluation import Evaluator, generate_sample
 from lmpretrain.observe.flops import MFUMeter
+from lmpretrain.observe.profiler import StepProfiler
 from lmpretrain.observe.progress import step_bar
 from lmpretrain.observe.tracking import Tracker, wandb_log_with
 
@@ -10,6 +11,7 @@ __all__ = [
     "ConsoleWarnings",
     "Evaluator",
     "MFUMeter",
+    "StepProfiler",
     "Tracker",
     "format_log_line",
     "generate_sample",

@@ -8,8 +8,11 @@ from lmpretrain.update.optim import (
     describe_implementation,
 )
 from lmpretrain.update.schedule import hyperparameter_changes, learning_rate, set_lr
+from lmpretrain.update.step_readout import StepReadout, StepScalars
 
 __all__ = [
+    "StepReadout",
+    "StepScalars",
     "UpdateGuard",
     "apply_hyperparameters",
     "build_optimizer",

@@ -4,13 +4,17 @@ With train.profile_steps=[start, end], steps start..end run under torch.profiler
 `<output_dir>/profile/trace-rank<R>-steps<start>-<end>.json` (Chrome trace format: open it in Perfetto,
 https://ui.perfetto.dev, or chrome://tracing), each step a "train step N" range holding its ops; on CUDA
 also `memory-rank<R>-steps<start>-<end>.pickle`, the allocator's history over those steps (drag it onto
-https://pytorch.org/memory_viz). On CUDA, whatever the setting, an out-of-memory error writes
+https://pytorch.org/memory_viz), and `syncs-rank<R>-steps<start>-<end>.json`: the blocking device->host
+reads of each step and where they happen (torch.cuda.set_sync_debug_mode). On CUDA, whatever the setting, an out-of-memory error writes
 `oom-rank<R>.pickle` (the allocator's segments and blocks at that moment) before the error propagates.
 The loop calls `profiler.step(n)` once, before step n; leaving the `with` block ends an open window.
 """
 
 from __future__ import annotations
 
+import json
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -25,6 +29,9 @@ class StepProfiler:
         self.cuda = device.type == "cuda"
         self._profile = None
         self._range = None
+        self._step = None
+        self._syncs: dict[int, Counter] = {}
+        self._warnings = None
 
     def __enter__(self) -> StepProfiler:
         if self.cuda:
@@ -48,6 +55,8 @@ class StepProfiler:
         elif n == end + 1 and self._profile is not None:
             self._stop()
         if self._profile is not None:
+            self._step = n
+            self._syncs[n] = Counter()
             self._range = torch.profiler.record_function(f"train step {n}")
             self._range.__enter__()
 
@@ -60,6 +69,7 @@ class StepProfiler:
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+            self._count_syncs()
         self._profile = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
         self._profile.__enter__()
 
@@ -77,9 +87,38 @@ class StepProfiler:
             written.append(self._name("memory", "pickle"))
             torch.cuda.memory._dump_snapshot(str(written[-1]))
             torch.cuda.memory._record_memory_history(enabled=None)
+            written.append(self._write_syncs())
         self.say(
             f"[lmpretrain] profile of steps {self.window[0]}-{self.window[1]}: {', '.join(map(str, written))}"
         )
+
+    def _count_syncs(self) -> None:
+        """torch warns at each synchronizing CUDA operation; count them per step, by source line."""
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always", UserWarning)
+        shown = warnings.showwarning
+
+        def count(message, category, filename, lineno, *args, **kwargs):
+            if "synchronizing CUDA operation" in str(message) and self._step is not None:
+                self._syncs[self._step][f"{filename}:{lineno}"] += 1
+            else:
+                shown(message, category, filename, lineno, *args, **kwargs)
+
+        warnings.showwarning = count
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def _write_syncs(self) -> Path:
+        torch.cuda.set_sync_debug_mode("default")
+        self._warnings.__exit__(None, None, None)
+        per_step = {n: sum(c.values()) for n, c in self._syncs.items()}
+        where = sum(self._syncs.values(), Counter())
+        path = self._name("syncs", "json")
+        path.write_text(json.dumps({"per_step": per_step, "where": dict(where.most_common())}, indent=1))
+        self.say(
+            f"[lmpretrain] blocking device->host reads per step {per_step}; where: {dict(where.most_common(5))}"
+        )
+        return path
 
     def _on_oom(self, device, alloc, device_alloc, device_free) -> None:
         """torch calls this when the CUDA allocator gives up, before it raises OutOfMemoryError."""

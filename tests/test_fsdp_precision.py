@@ -8,8 +8,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import recipe_runner as rr
+from lmpretrain.config import config_problems, load_config
+from lmpretrain.model.sharded_precision import fsdp_policy
 
-pytestmark = pytest.mark.slow
 BF16 = [
     *rr.QUICK,
     "--train.precision=bf16",
@@ -38,6 +39,7 @@ def dtypes_saved(checkpoint) -> dict[str, set[str]]:
     return found
 
 
+@pytest.mark.slow
 def test_fsdp2_bf16_policy_trains_like_ddp_with_bf16_autocast(tmp_path):
     fsdp = rr.run(tmp_path / "fsdp", *BF16, launch="cpu-fsdp", timeout=600)
     ddp = rr.run(tmp_path / "ddp", *BF16, launch="cpu-ddp", timeout=600)
@@ -63,6 +65,7 @@ def test_fsdp2_bf16_policy_trains_like_ddp_with_bf16_autocast(tmp_path):
     assert all(t.dtype == torch.float32 for t in fsdp.weights().values())  # the export: whole fp32 weights
 
 
+@pytest.mark.slow
 def test_reduce_dtype_bfloat16_reduce_scatters_in_bf16(tmp_path):
     run = rr.run(
         tmp_path / "run",
@@ -78,3 +81,18 @@ def test_reduce_dtype_bfloat16_reduce_scatters_in_bf16(tmp_path):
         "from float32 shards (master weights and optimizer state), gradients are reduce-scattered in bfloat16"
         in run.output
     )
+
+
+def test_the_policy_follows_precision_and_reduce_dtype():
+    def cfg(*overrides):
+        return load_config([str(rr.SMOKE), *overrides])
+
+    policy = fsdp_policy(cfg("--train.precision=bf16").train)
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    policy = fsdp_policy(cfg("--train.precision=bf16", "--train.fsdp_reduce_dtype=bfloat16").train)
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert fsdp_policy(cfg("--train.precision=fp16").train) is None and fsdp_policy(cfg().train) is None
+    assert config_problems(cfg("--train.fsdp_reduce_dtype=bfloat16"), 1) == [
+        "train.fsdp_reduce_dtype=bfloat16 belongs to FSDP2's bf16 policy and would do nothing with "
+        "train.precision=no: set train.precision=bf16 or leave it at float32"
+    ]

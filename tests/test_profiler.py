@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import recipe_runner as rr
+from lmpretrain.config import config_problems, load_config
 from lmpretrain.observe.profiler import StepProfiler
 
 
@@ -66,3 +67,15 @@ def test_the_recipe_profiles_the_steps_it_is_asked_to(tmp_path):
     ):
         assert op in names, op
     assert sum(n.startswith("Optimizer.step#AdamW") for n in names) == 2
+
+
+def test_profile_steps_must_be_a_window():
+    def problems(value):
+        cfg = load_config([str(rr.SMOKE), f"--train.profile_steps={value}"])
+        return [p for p in config_problems(cfg, 1) if "profile_steps" in p]
+
+    assert problems("null") == [] and problems("[3, 3]") == [] and problems("[2, 5]") == []
+    for bad in ("[5, 2]", "[0, 2]", "[4]"):
+        assert problems(bad) == [
+            f"train.profile_steps={bad} must be [start, end] with 1 <= start <= end, or null"
+        ]

@@ -450,6 +450,11 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append(
             f"train.profile_steps={t.profile_steps} must be [start, end] with 1 <= start <= end, or null"
         )
+    if t.fsdp_reduce_dtype != "float32" and t.precision != "bf16":
+        p.append(
+            f"train.fsdp_reduce_dtype={t.fsdp_reduce_dtype} belongs to FSDP2's bf16 policy and would do nothing "
+            f"with train.precision={t.precision}: set train.precision=bf16 or leave it at float32"
+        )
     if t.fp8 != "none" and not t.compile:
         p.append(
             f"train.fp8={t.fp8} needs train.compile=true: torchao's float8 casts and scaling are fast only "

@@ -37,6 +37,7 @@ from lmpretrain.model import (
     LMObjective,
     MixedPrecision,
     build_model,
+    check_sharded_precision,
     compile_seconds,
     count_targets,
     import_model_modules,
@@ -49,6 +50,7 @@ from lmpretrain.observe import (
     ConsoleWarnings,
     Evaluator,
     MFUMeter,
+    StepProfiler,
     Tracker,
     format_log_line,
     generate_sample,
@@ -87,12 +89,15 @@ def main(argv: list[str], sections: dict | None = None, objective=LMObjective) -
         train(cfg, cleanup, objective, recipe=Path(sys.argv[0]))
 
 
-def train_step(model, optimizer, objective, input_ids, labels, *, accelerator, precision, guard, max_norm):
+def train_step(
+    model, optimizer, objective, input_ids, labels, *, accelerator, precision, guard, max_norm, host
+):
     """One optimizer step over a global batch's rows on this rank; returns the step's numbers.
 
     Each term is normalised by the target count of the whole global batch (all micro-batches, all ranks),
     times W because gradients are averaged over ranks and times K because accelerator.backward divides by
-    the accumulation steps. The count stays on the device; the step reads the device once, at the end.
+    the accumulation steps. The count stays on the device: the step reads the device once, at the end,
+    together with `host`: numbers of this rank (name -> (value, "sum" | "min" | "max")) to combine over ranks.
     """
     W, K = accelerator.num_processes, accelerator.gradient_accumulation_steps
     n_targets = accelerator.reduce(count_targets(labels), reduction="sum")
@@ -109,24 +114,36 @@ def train_step(model, optimizer, objective, input_ids, labels, *, accelerator, p
     assert accelerator.sync_gradients, "the last micro-batch of a step must synchronise gradients"
     precision.unscale_(optimizer)  # real-size grads
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)  # 5. clip
-    # The step's one device->host read: every term over all ranks, the target count, the gradient norm.
-    totals = accelerator.reduce(torch.stack(list(sums.values())), reduction="sum")
-    extra = torch.stack([n_targets.double(), torch.as_tensor(grad_norm, device=n_targets.device).double()])
-    values = torch.cat([totals.flatten(), extra]).tolist()
-    *term_values, n, grad_norm = values
+    # The step's one device->host read: every rank's terms and host numbers, the target count, the norm.
+    device = n_targets.device
+    mine = torch.cat(
+        [
+            torch.stack(list(sums.values())).flatten(),
+            torch.tensor([v for v, _ in host.values()], device=device),
+        ]
+    )
+    extra = torch.stack([n_targets.double(), torch.as_tensor(grad_norm, device=device).double()])
+    *ranks, n, grad_norm = torch.cat([accelerator.gather(mine.double()[None]).flatten(), extra]).tolist()
+    per_rank = [ranks[r * len(mine) : (r + 1) * len(mine)] for r in range(W)]
     if n == 0:
         raise DataError(
             "every target of the global batch is ignored (-100), so there is no loss to train on; every "
             "token starts a document, too short for train.mask_cross_doc_targets=true"
         )
-    means = {name: term_values[2 * i] / max(term_values[2 * i + 1], 1) for i, name in enumerate(sums)}
+    total = [sum(column) for column in zip(*per_rank, strict=True)]
+    means = {name: total[2 * i] / max(total[2 * i + 1], 1) for i, name in enumerate(sums)}
+    combine = {"sum": sum, "min": min, "max": max}
+    shared = {
+        name: combine[op](row[2 * len(sums) + i] for row in per_rank)
+        for i, (name, (_, op)) in enumerate(host.items())
+    }
     # A non-finite loss or gradient (or a loss spike) skips the update: no weight or moment changes and
     # the schedule waits. DeepSpeed's engine makes the same non-finite check inside backward.
     skipped = guard.check(means["loss"], grad_norm, precision.backs_off_overflows)
     # 6. update (DeepSpeed already stepped, or skipped, in backward: its step() is a no-op)
     stepped = precision.step(optimizer, skip=skipped is not None) and not optimizer.step_was_skipped
     optimizer.zero_grad(set_to_none=True)
-    return {"terms": means, "grad_norm": grad_norm, "skipped": skipped, "stepped": stepped}
+    return {"terms": means, "grad_norm": grad_norm, "skipped": skipped, "stepped": stepped, "host": shared}
 
 
 def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = Path(__file__)) -> None:
@@ -179,6 +196,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     # updates really applied), under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)
     say(runtime.describe_wrapping(model, accelerator))
+    if info.sharding.startswith("fsdp2"):  # every rank: the check runs a forward of a few tokens
+        say(check_sharded_precision(model, optimizer, cfg.train))
     say(checkpointer.describe())
     if deepspeed:
         say(precision.check_engine_weights(model))
@@ -251,6 +270,9 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     batches = iter(train_data)
     loop_rng.start()  # dropout's random numbers: seeded for a fresh run, the saved state for a resumed one
     preemption = cleanup.enter_context(PreemptionHandler())
+    profiler = cleanup.enter_context(  # train.profile_steps; on CUDA an out-of-memory snapshot
+        StepProfiler(cfg.train.profile_steps, out / "profile", accelerator.device, info.rank, say)
+    )
     progress = step_bar(total=cfg.train.max_steps, initial=state.step, enabled=accelerator.is_main_process)
     cleanup.callback(progress.close)
     max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
@@ -258,6 +280,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     if state.step == 0 and cfg.eval.every:  # the baseline every curve starts from
         tracker.log({**run_eval(), "train/tokens_seen": 0}, step=0)
     while state.step < cfg.train.max_steps:
+        profiler.step(state.step + 1)
         t_start = time.perf_counter()
         batch = next(batches)  # 1. load
         t_data = time.perf_counter() - t_start
@@ -265,9 +288,13 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         lr = set_lr(optimizer, learning_rate(cfg, state.step - state.skipped_steps))
         input_ids = batch.input_ids.to(accelerator.device, non_blocking=True)
         labels = make_labels(input_ids, tokenizer.eos_token_id if cfg.train.mask_cross_doc_targets else None)
+        host = {
+            "stop": (preemption.received, "max"),
+            **step_counters(batch),
+        }  # combined over ranks in the step
         step = train_step(  # 2.-6. forward, backward, sync, clip, update
             model, optimizer, objective, input_ids, labels,
-            accelerator=accelerator, precision=precision, guard=guard, max_norm=max_norm,
+            accelerator=accelerator, precision=precision, guard=guard, max_norm=max_norm, host=host,
         )  # fmt: skip
         state.skipped_steps += not step["stepped"]
         state.step += 1
@@ -277,7 +304,9 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         metrics = step_metrics(
             step, batch, state, lr, max_norm, t_start, t_data, accelerator, meter, precision
         )
-        metrics |= step_counters(batch, accelerator)  # over all ranks: epoch, skipped docs, tokens per source
+        metrics |= {
+            name: int(value) for name, value in step["host"].items() if name != "stop"
+        }  # data counters
         if cfg.train.compile and state.step == first_step:  # compiling happens in the first steps
             metrics["perf/compile_s"] = compile_seconds()
         warnings.observe(state.step, metrics["train/loss"], metrics["train/clipped"], step["skipped"])
@@ -294,7 +323,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         )
         if state.step % cfg.logging.every == 0 and accelerator.is_main_process:
             progress.write(format_log_line(state.step, metrics, cfg.train.max_steps, terms=step["terms"]))
-        stop = preemption.should_stop(accelerator)
+        stop = bool(step["host"]["stop"])  # any rank signalled: every rank saves and stops here
         checkpointer.poll()  # commits a background save once every rank has written it
         # 8. checkpoint. Not periodically (nor at the end) while updates are being skipped: a diverging run
         # must not rotate its last good checkpoints out (keep_last) for copies of the weights it stalled on.

@@ -39,7 +39,7 @@ import yaml
 from torch import nn
 
 from lmpretrain.config import load_config
-from lmpretrain.data import TrainStream
+from lmpretrain.data import TrainStream, heldout_blocks
 from lmpretrain.data.tokenizer import load_tokenizer
 from lmpretrain.model.build import build_model_config
 from lmpretrain.run.runtime import configure_threads
@@ -219,6 +219,33 @@ def recipe(config_path: str, overrides: list[str], switches: dict, steps: int, w
     }
 
 
+def eval_seconds(config_path: str, overrides: list[str], loss_impl: str, repeats: int = 3) -> float:
+    """Fastest of `repeats` evaluations of the config's held-out set (eval.batches x eval.batch_size
+    blocks) with `loss_impl`, through the recipe's Evaluator, in this process."""
+    from accelerate import Accelerator
+
+    from lmpretrain.model import LMObjective, MixedPrecision, build_model
+    from lmpretrain.model.objective import install_loss_forward
+    from lmpretrain.observe import Evaluator
+
+    cfg = load_config([config_path, *overrides, f"--train.loss_impl={loss_impl}"])
+    configure_threads(cfg.run.threads, 1)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    blocks = heldout_blocks(cfg.data, tokenizer, num_blocks=cfg.eval.batches * cfg.eval.batch_size)
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(build_model_config(cfg.model, tokenizer), None, cfg.train.param_dtype)
+    install_loss_forward(model)
+    objective = LMObjective.from_config(cfg, tokenizer.eos_token_id)
+    precision = MixedPrecision(cfg.train.precision, torch.device("cpu"))
+    evaluator = Evaluator(blocks, objective, precision, cfg.eval.batch_size, Accelerator(cpu=True))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        evaluator(model)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def measure(name: str, run) -> dict:
     load = os.getloadavg()[0]
     result = run()
@@ -298,6 +325,12 @@ def benchmark_shape(label: str, config_path: str, overrides: list[str], args) ->
             f"{', '.join(f'{x:.2f}x' for x in ratios)})"
         )
     print(f"lean model: {lean_info['params']:,} parameters, {lean_info['threads']} threads")
+    # Evaluation runs without autograd: the chunked loss then skips its gradient matmuls.
+    full, chunked = (eval_seconds(config_path, overrides, impl) for impl in ("full", "chunked"))
+    print(
+        f"evaluation ({cfg.eval.batches} x {cfg.eval.batch_size} blocks, fastest of 3): full loss {full:.2f} s, "
+        f"chunked loss {chunked:.2f} s ({chunked / full:.2f}x)"
+    )
 
 
 def gpt2_shape(config_path: str, folder: Path) -> str:

@@ -230,8 +230,17 @@ def test_gpu_check_script_passes_its_cpu_dry_run(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "gpu_check: 8 commands have valid configs" in proc.stdout
-    assert "gpu_check: shipped " in proc.stdout and "gpu_check: dry run passed" in proc.stdout
+    assert "gpu_check: 9 commands have valid configs" in proc.stdout
+    assert "gpu_check: dry run passed" in proc.stdout
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    eager = result["rows"]["eager"]
+    assert result["dry_run"] and eager["status"] == "ok" and eager["steps"] == 3 and eager["tokens_per_s"] > 0
+    lines = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("gpu_check: ")]
+    header = lines.index("row")
+    assert lines[header + 1 : header + 11] == [
+        *("eager", "compile", "liger", "fp8", "fsdp2-1gpu"),
+        *("syncs", "parity", "resume", "fp16", "flash-varlen"),
+    ]  # the table's rows, in order
 
 
 def test_the_benchmark_lean_reference_has_the_recipe_models_size(stdlib_cache):

@@ -198,6 +198,15 @@ class TrainConfig:
     spike_window: int = 100
     """Applied steps of loss history the spike threshold is computed over, judged once half of it is
     filled (with skip_spikes; saved in checkpoints)."""
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """float32 | bfloat16: the dtype FSDP2 reduce-scatters gradients in when precision=bf16 (whose
+    policy all-gathers bf16 parameters from fp32 shards; docs/gpu.md). bfloat16 halves the traffic."""
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """none | tensorwise | rowwise: train the blocks' large Linear layers in float8 through torchao
+    (CUDA compute capability >= 8.9, train.compile, pip install -e .[gpu]; the rule in docs/gpu.md)."""
+    profile_steps: list[int] | None = None
+    """[start, end]: a torch.profiler trace of steps start..end (Chrome/Perfetto JSON) and on CUDA a
+    memory snapshot in <output_dir>/profile/; null = off. A CUDA out-of-memory writes a snapshot too."""
 
 
 @dataclass
@@ -568,6 +577,22 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append(
             f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), optim.muon_ns_steps={o.muon_ns_steps} "
             f">= 1 and optim.muon_lr={o.muon_lr} > 0"
+        )
+    if t.profile_steps is not None and not (
+        len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]
+    ):
+        p.append(
+            f"train.profile_steps={t.profile_steps} must be [start, end] with 1 <= start <= end, or null"
+        )
+    if t.fsdp_reduce_dtype != "float32" and t.precision != "bf16":
+        p.append(
+            f"train.fsdp_reduce_dtype={t.fsdp_reduce_dtype} belongs to FSDP2's bf16 policy and would do nothing "
+            f"with train.precision={t.precision}: set train.precision=bf16 or leave it at float32"
+        )
+    if t.fp8 != "none" and not t.compile:
+        p.append(
+            f"train.fp8={t.fp8} needs train.compile=true: torchao's float8 casts and scaling are fast only "
+            "when compiled into the blocks (eager float8 is slower than bf16)"
         )
     p += data_problems(d, world_size)
     return p

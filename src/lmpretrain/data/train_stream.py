@@ -43,18 +43,12 @@ class StepBlocks:
     sources: dict[str, int] = field(default_factory=dict)  # tokens each source gave this rank's blocks so far
 
 
-def step_counters(batch: StepBlocks, accelerator) -> dict[str, int]:
-    """The data counters of a step over every rank's streams, for the metrics: train/epoch (the least over
-    every stream), train/skipped_docs and data/<source>/tokens (sums). A collective: call on every rank."""
-    local = torch.tensor(
-        [[batch.epoch, batch.skipped_docs, *batch.sources.values()]],
-        dtype=torch.long,
-        device=accelerator.device,
-    )
-    every = accelerator.gather(local)  # [world size, counters]
-    totals = every[:, 1:].sum(0).tolist()
-    counters = {"train/epoch": int(every[:, 0].min()), "train/skipped_docs": totals[0]}
-    counters.update({f"data/{name}/tokens": n for name, n in zip(batch.sources, totals[1:], strict=True)})
+def step_counters(batch: StepBlocks) -> dict[str, tuple[int, str]]:
+    """This rank's data counters of a step and how ranks combine them (name -> (value, "min" | "sum")):
+    train/epoch (the least over every stream), train/skipped_docs and data/<source>/tokens (sums). The
+    recipe's train_step combines them in the step's one device read."""
+    counters = {"train/epoch": (batch.epoch, "min"), "train/skipped_docs": (batch.skipped_docs, "sum")}
+    counters.update({f"data/{name}/tokens": (n, "sum") for name, n in batch.sources.items()})
     return counters
 
 

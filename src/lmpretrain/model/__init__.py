@@ -5,6 +5,7 @@ from lmpretrain.model.build import build_model, build_model_config, import_model
 from lmpretrain.model.loss import count_targets, make_labels
 from lmpretrain.model.objective import LMObjective, Term, weighted_sum
 from lmpretrain.model.precision import MixedPrecision
+from lmpretrain.model.sharded_precision import check_sharded_precision
 from lmpretrain.model.speed import compile_seconds, prepare_model
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "Term",
     "build_model",
     "build_model_config",
+    "check_sharded_precision",
     "compile_seconds",
     "count_targets",
     "import_model_modules",

@@ -18,6 +18,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from lmpretrain.errors import ConfigError
 from lmpretrain.model.build import attention_kernel, causal_lm_class
+from lmpretrain.model.fp8 import convert_to_fp8, fp8_problems
 
 # What each kernel needs from the model class (transformers' own flags).
 _KERNEL_SUPPORT = {
@@ -58,7 +59,7 @@ def kernel_problems(cfg, model_config) -> list[str]:
             need
             for need, ok in (
                 (
-                    "the liger-kernel package (pip install liger-kernel)",
+                    "the liger-kernel package (pip install -e .[gpu])",
                     importlib.util.find_spec("liger_kernel"),
                 ),
                 ("a CUDA GPU", torch.cuda.is_available()),
@@ -70,6 +71,7 @@ def kernel_problems(cfg, model_config) -> list[str]:
                 f"train.loss_impl=liger needs {' and '.join(missing)}; use train.loss_impl=chunked (same memory "
                 f"saving, plain PyTorch)"
             )
+    p += fp8_problems(cfg.train.fp8)
     takes_positions = (
         model_class is None or "position_ids" in inspect.signature(model_class.forward).parameters
     )
@@ -153,6 +155,8 @@ def prepare_model(model: nn.Module, train_cfg, accelerator=None) -> list[str]:
     lines = [f"attention: {kernel}"]
     if train_cfg.activation_checkpointing:
         lines.append(enable_activation_checkpointing(model))
+    if train_cfg.fp8 != "none":  # before compile (torchao's casts compile into the blocks) and sharding
+        lines.append(convert_to_fp8(model, train_cfg.fp8, sharded=fsdp_plugin is not None))
     if train_cfg.compile:
         lines.append(compile_blocks(model))
     return lines

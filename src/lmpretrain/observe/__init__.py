@@ -4,6 +4,7 @@ from lmpretrain.observe.console import ConsoleWarnings, format_log_line
 from lmpretrain.observe.evaluation import Evaluator, generate_sample
 from lmpretrain.observe.flops import MFUMeter
 from lmpretrain.observe.metrics import step_metrics
+from lmpretrain.observe.profiler import StepProfiler
 from lmpretrain.observe.progress import step_bar
 from lmpretrain.observe.tracking import Tracker, wandb_log_with
 
@@ -11,6 +12,7 @@ __all__ = [
     "ConsoleWarnings",
     "Evaluator",
     "MFUMeter",
+    "StepProfiler",
     "Tracker",
     "format_log_line",
     "generate_sample",

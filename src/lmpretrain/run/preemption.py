@@ -1,7 +1,8 @@
 """SIGTERM/SIGINT -> finish the current optimizer step, save a checkpoint, exit 0; and ranks that stop
 when their launcher dies.
 
-The first signal only sets a flag; the loop asks ``should_stop`` once per optimizer step, which
+The first signal only sets a flag; the recipe combines ``received`` over ranks once per optimizer step
+(in train_step's one device read; ``should_stop`` is the same answer as a collective of its own), which
 agrees across ranks, so every rank saves the same step. A second signal exits at once: the atomic
 checkpoint protocol guarantees the last complete checkpoint stays loadable whatever we interrupt.
 

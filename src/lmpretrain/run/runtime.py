@@ -77,8 +77,9 @@ def build_accelerator(train, log_with=None) -> Accelerator:
     accum = train.grad_accum_steps
     if not launch_requested("ACCELERATE_USE_DEEPSPEED"):
         _leave_deepspeed_unimported()
-    if launch_requested("ACCELERATE_USE_FSDP") and not has_accelerator():
-        return _cpu_fsdp2_accelerator(accum, log_with)
+    fsdp = launch_requested("ACCELERATE_USE_FSDP")
+    if fsdp and not has_accelerator():
+        return _cpu_fsdp2_accelerator(train, log_with)
     if not launch_requested("ACCELERATE_USE_DEEPSPEED"):
         # cpu=True on a machine without GPUs turns a torchrun-style multi-process launch into a real gloo
         # process group; without it each process runs alone (verified with --multi_gpu on CPU).
@@ -87,6 +88,7 @@ def build_accelerator(train, log_with=None) -> Accelerator:
             log_with=log_with,
             mixed_precision="no",
             gradient_accumulation_steps=accum,
+            fsdp_plugin=_fsdp_plugin(train) if fsdp else None,
         )
     if importlib.util.find_spec("deepspeed") is None:
         raise LaunchError(
@@ -110,7 +112,17 @@ def build_accelerator(train, log_with=None) -> Accelerator:
     return accelerator
 
 
-def _cpu_fsdp2_accelerator(accum: int, log_with) -> Accelerator:
+def _fsdp_plugin(train) -> FullyShardedDataParallelPlugin:
+    """The launch config's FSDP settings (its FSDP_* variables) with, under FSDP2, the recipe's
+    mixed-precision policy (model/sharded_precision.py); accelerate's own stays off (mixed_precision="no")."""
+    from lmpretrain.model.sharded_precision import fsdp_policy
+
+    if os.environ.get("FSDP_VERSION", "1") != "2":  # read as accelerate's plugin reads it
+        return FullyShardedDataParallelPlugin()
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=fsdp_policy(train))
+
+
+def _cpu_fsdp2_accelerator(train, log_with) -> Accelerator:
     """FSDP2 on CPU processes over gloo, sharded by accelerate's own FSDP2 code (as on GPUs).
 
     accelerate 1.15 assigns DistributedType.FSDP only to GPU-like process groups, so on CPU it would run
@@ -124,12 +136,12 @@ def _cpu_fsdp2_accelerator(accum: int, log_with) -> Accelerator:
             f"the launch config asks for FSDP version {version} on CPU; only FSDP2 runs on CPU "
             "(set fsdp_version: 2, as configs/accelerate/cpu-fsdp.yaml does)"
         )
-    plugin = FullyShardedDataParallelPlugin()  # from the launch config's FSDP_* variables
+    plugin = _fsdp_plugin(train)
     accelerator = Accelerator(
         cpu=True,
         log_with=log_with,
         mixed_precision="no",
-        gradient_accumulation_steps=accum,
+        gradient_accumulation_steps=train.grad_accum_steps,
         fsdp_plugin=plugin,
     )
     if accelerator.distributed_type == DistributedType.MULTI_CPU:  # one process stays NO: refused later

@@ -2,21 +2,33 @@
 """Tokens/s, peak memory and compile time of the recipe with each speed switch, against a lean reference.
 
     python scripts/benchmark.py configs/default.yaml [--steps 20] [--warmup 5] [--rounds 2] [--threads 0]
-                                [--shapes config,gpt2] [--section.field=value ...]
+                                [--shapes config,gpt2,chars] [--best SWITCH,...] [--to-target STEPS]
+                                [--section.field=value ...]
 
-For two model shapes (the config's own, and a GPT-2 of 4 layers x 4 heads x 128 wide on 64-token blocks,
-12 rows per micro-batch, on the config's data) it prints one table: the recipe with every switch off
-("eager"), each switch alone, the best combination (the switches that were faster alone, activation
-checkpointing excepted: it buys memory with compute), and a lean reference: a minimal hand-written model
-of the same shape in plain PyTorch (F.scaled_dot_product_attention, fused AdamW, no transformers),
-trained on the same batches, already in memory; then best / eager and best / lean reference.
+For three model shapes (the config's own; a GPT-2 of 4 layers x 4 heads x 128 wide on 64-token blocks,
+12 rows per micro-batch, on the config's data and tokenizer; and the same GPT-2 with a character-level
+tokenizer of 65 symbols, `builtin:python-stdlib-chars`, where the transformer blocks, not the output
+head, dominate a step) it prints one table: the recipe with every switch off ("eager"), each switch
+alone, the best combination (the switches that were faster alone, activation checkpointing excepted:
+it buys memory with compute; or the ones `--best` names, skipping the single-switch rounds), and a lean
+reference: a minimal hand-written model of the same shape in plain PyTorch
+(F.scaled_dot_product_attention, fused AdamW, no transformers), trained on the same batches, already in
+memory, with the recipe's hyper-parameters and lr schedule; then best / eager and recipe / lean reference.
 
-The recipe runs are real `accelerate launch` runs, timed by the wall clock between metrics rows after
-`--warmup` steps (compilation happens there), so everything the loop does counts; evaluation and
-checkpoints are off (periodic costs, not per-step ones). A run's speed is its 25th-percentile step:
-on a shared machine the slower steps are the ones other processes slowed. Each run is measured once
-per round, odd rounds in reverse order; eager, best and the lean reference run side by side (the
-ratios pair runs next to each other). The table gives medians, the spread and the load average.
+The recipe runs are real `accelerate launch` runs (of recipes/pretrain.py through this script, which only
+adds the process's CPU seconds to each metrics row), timed between metrics rows after `--warmup` steps
+(compilation happens there), so everything the loop does counts; evaluation and checkpoints are off
+(periodic costs, not per-step ones). Two clocks: the wall clock (a run's speed is its 25th-percentile
+step: on a shared machine the slower steps are the ones other processes slowed) and the CPU clock
+(median CPU seconds of a step, every thread of the process: what the step cost, whoever else had the
+cores). Each run is measured once per round, odd rounds in reverse order; eager, best and the lean
+reference run side by side (the ratios pair runs next to each other). The table gives medians, the
+spread and the load average.
+
+`--to-target N`: the lean reference trains N steps of the config's schedule and its held-out loss is the
+target; the recipe (best) trains the same N steps, tokens per step and schedule, evaluated every N/10
+steps; its steps to the target times its step time relative to the lean reference's (side by side,
+both clocks) give its time to the target relative to the lean reference's.
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ def recipe(
         rows = [json.loads(line) for line in open(f"{out}/run/metrics.jsonl")]
     curve = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
     rows = [r for r in rows if "train/loss" in r]
-    timed = rows[warmup - 1 :]
+    timed = rows[max(warmup - 1, 0) :]
     tokens_per_step = rows[0]["perf/tokens_per_s"] * rows[0]["perf/step_time_s"]
     step = fastest_quarter(
         [b["_timestamp"] - a["_timestamp"] for a, b in zip(timed, timed[1:], strict=False)]

@@ -1,7 +1,8 @@
-"""Train a byte-level BPE tokenizer on any text source and save it as a transformers fast tokenizer.
+"""Train a byte-level BPE (or character-level) tokenizer on any text source; save it as a transformers fast tokenizer.
 
 python scripts/train_tokenizer.py --files 'data/*.jsonl' --text-field text --vocab-size 8192 --out tok/
 python scripts/train_tokenizer.py --builtin python-stdlib --out tok/
+python scripts/train_tokenizer.py --builtin python-stdlib --char-level --vocab-size 65 --out chars/
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 
 from lmpretrain.data import SourceSpec, open_source
 from lmpretrain.data.readers import Unit
-from lmpretrain.data.tokenizer import train_bpe
+from lmpretrain.data.tokenizer import train_bpe, train_char_level
 from lmpretrain.errors import UserError
 from lmpretrain.observe.progress import announce
 
@@ -49,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         "--separator", help="text files: documents end at this string, or at blank lines with 'blank_lines'"
     )
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument(
+        "--char-level",
+        action="store_true",
+        help="one token per character (lowercased): the vocab-size - 4 most frequent ones, the rest unknown",
+    )
     parser.add_argument("--max-docs", type=int, help="train on at most this many documents")
     parser.add_argument("--out", required=True, help="output folder (save_pretrained)")
     args = parser.parse_args(argv)
@@ -62,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     start = time.time()
     try:
-        tok = train_bpe(texts_of(spec, args.max_docs), args.vocab_size, args.out)
+        train = train_char_level if args.char_level else train_bpe
+        tok = train(texts_of(spec, args.max_docs), args.vocab_size, args.out)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

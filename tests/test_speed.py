@@ -264,3 +264,41 @@ def test_the_benchmark_lean_reference_has_the_recipe_models_size(stdlib_cache):
         model = build_model(build_model_config(cfg.model))
     assert lean["params"] == parameter_counts(model)["params_total"]
     assert lean["tokens_per_s"] > 0 and lean["peak_rss_bytes"] > 0
+
+
+@pytest.mark.parametrize("activation", ["gelu_new", "gelu_fast"])
+def test_python_tanh_gelu_runs_as_one_kernel_with_the_same_values(activation):
+    """GPT-2's gelu_new (and gelu_fast) become torch's gelu(approximate='tanh'): same forward and
+    gradients to float rounding, parameter names and config unchanged, and the log line says so."""
+    from transformers import AutoConfig
+    from transformers.activations import GELUTanh
+
+    from lmpretrain.model.speed import fuse_gelu_tanh
+
+    config = AutoConfig.for_model(
+        "gpt2", vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, activation_function=activation
+    )
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0  # the same forward, no dropout masks
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config)
+    fused = AutoModelForCausalLM.from_config(config)
+    fused.load_state_dict(plain.state_dict())
+    line = fuse_gelu_tanh(fused)
+    kind = {"gelu_new": "NewGELUActivation", "gelu_fast": "FastGELUActivation"}[activation]
+    assert (
+        line
+        == f"activation: 2 {kind} (Python, ~8 kernels) run as torch's gelu(approximate='tanh'), one kernel"
+    )
+    assert [type(b.mlp.act) for b in fused.transformer.h] == [GELUTanh, GELUTanh]
+    assert (
+        fused.config.activation_function == activation
+        and fused.state_dict().keys() == plain.state_dict().keys()
+    )
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    losses = [model(input_ids=ids, labels=ids).loss for model in (plain, fused)]
+    for loss in losses:
+        loss.backward()
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-6)
+    for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
+        assert torch.allclose(q.grad, p.grad, rtol=1e-4, atol=1e-7)
+    assert fuse_gelu_tanh(fused) is None  # nothing left to swap; Llama's SiLU is one kernel already

@@ -1,4 +1,4 @@
-"""Byte-level BPE training, saving, loading; the builtin tokenizer; clear errors."""
+"""Byte-level BPE and character-level training, saving, loading; the builtin tokenizers; clear errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from lmpretrain.data.tokenizer import load_tokenizer, tokenizer_hash, train_bpe
+from lmpretrain.data.tokenizer import load_tokenizer, tokenizer_hash, train_bpe, train_char_level
 from lmpretrain.errors import TokenizerError
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "train_tokenizer.py")
@@ -24,6 +24,24 @@ def test_train_bpe_saves_a_tokenizer_autotokenizer_loads(tmp_path):
     ids = tok(TEXT)["input_ids"]
     assert tok.decode(ids) == TEXT  # byte level: every character round-trips, no prefix space
     assert 0 not in ids and 1 not in ids  # no BOS/EOS added automatically
+
+
+def test_train_char_level_keeps_the_most_frequent_characters(tmp_path):
+    texts = ["aaaa bbbbb cc D", "Aa b cd\né"]  # lowercased: a 6, b 6 - 1, space 4, c 3, d 2, newline 1, é 1
+    train_char_level(texts, vocab_size=9, out_dir=tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    assert len(tok) == 9
+    assert [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id] == [0, 1, 2, 3]
+    assert {c: tok.get_vocab()[c] for c in "ab cd"} == {
+        "a": 4,
+        "b": 5,
+        " ": 6,
+        "c": 7,
+        "d": 8,
+    }  # by frequency
+    ids = tok("Ab c\té", add_special_tokens=False)["input_ids"]
+    assert ids == [4, 5, 6, 7, 3, 3]  # one token per character, lowercased; tab and é did not fit: unknown
+    assert tok.decode(tok("cab ba", add_special_tokens=False)["input_ids"]) == "cab ba"  # no spaces added
 
 
 def test_builtin_tokenizer_round_trips_and_has_special_tokens(stdlib_cache):

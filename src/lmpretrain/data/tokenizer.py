@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizers: train one with `tokenizers`, save and load it as a transformers fast tokenizer."""
+"""Tokenizers trained with `tokenizers` (byte-level BPE, or character-level), saved and loaded as transformers
+fast tokenizers."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from lmpretrain.data.corpus import CORPUS_VERSION, build_once, cache_root, ensure_stdlib_corpus, python_tag
 from lmpretrain.errors import TokenizerError
 from lmpretrain.observe.progress import announce, bars_enabled
 
-BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TOKENIZERS = {"python-stdlib": 8192}
+# name: (vocabulary, trainer). The character-level one is a small-vocabulary shape for benchmarks, where
+# the transformer blocks, not the output head, dominate a step.
+BUILTIN_TOKENIZERS = {"python-stdlib": (8192, "bpe"), "python-stdlib-chars": (65, "chars")}
 _BUILTIN_TRAIN_BYTES = 6_000_000  # enough for a good 8k vocabulary; keeps the first build ~10 s
 
 
@@ -36,6 +39,33 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike)
     tok.train_from_iterator(texts, trainer=trainer)
     # No post-processor: encoding never adds BOS/EOS; the data packer appends EOS itself.
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def train_char_level(
+    texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike, lowercase: bool = True
+) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: bos/eos/pad/unk = ids 0/1/2/3, then the `vocab_size - 4` most frequent
+    characters of `texts` (lowercased first with `lowercase`); every other character encodes as unk.
+    Saved with `save_pretrained` to `out_dir`. Decoding joins the characters back without spaces."""
+    tok = Tokenizer(models.WordLevel(unk_token=UNK))
+    if lowercase:  # Python source lowercased fits ~99.9% of its characters in 61 symbols, not ~98%
+        tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # each character a word
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.WordLevelTrainer(
+        vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD, UNK], show_progress=bars_enabled()
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,  # spaces are characters like any other
+    )
     fast.save_pretrained(str(out_dir))
     return fast
 
@@ -62,7 +92,7 @@ def ensure_builtin_tokenizer(name: str = "python-stdlib") -> Path:
             f"unknown builtin tokenizer {name!r}; available: "
             + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_TOKENIZERS)
         )
-    vocab = BUILTIN_TOKENIZERS[name]
+    vocab, kind = BUILTIN_TOKENIZERS[name]
     # Named after the corpus version too: a rebuilt corpus must not meet a tokenizer trained on the old one.
     final = cache_root() / f"tokenizer-{name}-{python_tag()}-c{CORPUS_VERSION}-v{vocab}"
 
@@ -72,7 +102,8 @@ def ensure_builtin_tokenizer(name: str = "python-stdlib") -> Path:
             f"training the builtin tokenizer {name} ({vocab} tokens) on {_BUILTIN_TRAIN_BYTES / 1e6:.0f} MB of "
             f"its corpus (once, ~10 s; cached in {cache_root()})"
         )
-        train_bpe(_stdlib_texts(_BUILTIN_TRAIN_BYTES), vocab, tmp)
+        train = train_bpe if kind == "bpe" else train_char_level
+        train(_stdlib_texts(_BUILTIN_TRAIN_BYTES), vocab, tmp)
 
     return build_once(final, build)
 

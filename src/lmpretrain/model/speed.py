@@ -3,8 +3,8 @@
 They change how the model runs, not what it computes (tests/test_speed.py trains with each one on
 and off and compares). `kernel_problems` refuses, before any work, a kernel or loss that cannot run
 here; `prepare_model` then, after the objective is installed and before accelerate wraps the model (the
-order accelerate's own FSDP2 path uses: checkpointing, then compile, then sharding), checkpoints and
-compiles each transformer block, and returns what really runs, for the log.
+order accelerate's own FSDP2 path uses: checkpointing, then compile, then sharding), runs the tanh-GELU
+as one kernel, checkpoints and compiles each transformer block, and returns what really runs, for the log.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import inspect
 
 import torch
 from torch import nn
+from transformers.activations import FastGELUActivation, GELUTanh, NewGELUActivation
 from transformers.utils import is_flash_attn_2_available
 
 from lmpretrain.errors import ConfigError
@@ -89,6 +90,28 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+# transformers' Python forms of GELU's tanh approximation (GPT-2's gelu_new, gelu_fast): 0.5 x (1 + tanh(...))
+# is eight elementwise kernels forward and more backward, each a pass over the MLP's widest activation.
+PYTHON_GELU_TANH = (NewGELUActivation, FastGELUActivation)
+
+
+def fuse_gelu_tanh(model: nn.Module) -> str | None:
+    """Swap the Python tanh-GELUs for torch's single kernel of the same function (transformers' own
+    `gelu_pytorch_tanh`): ~7x faster forward + backward on the CPU, equal to float rounding (2.4e-7 at
+    most in float32). The model's config is untouched, so exports and checkpoints are unchanged.
+    Returns the log line, or None when the model has none."""
+    swapped: dict[str, int] = {}
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) in PYTHON_GELU_TANH:
+                setattr(parent, name, GELUTanh())
+                swapped[type(child).__name__] = swapped.get(type(child).__name__, 0) + 1
+    if not swapped:
+        return None
+    found = ", ".join(f"{n} {kind}" for kind, n in swapped.items())
+    return f"activation: {found} (Python, ~8 kernels) run as torch's gelu(approximate='tanh'), one kernel"
+
+
 def enable_activation_checkpointing(model: nn.Module) -> str:
     """transformers' own checkpointing of each block: non-reentrant, and RNG state preserved so the
     recomputed forward draws the same dropout masks (and training's RNG stream is not moved)."""
@@ -153,6 +176,9 @@ def prepare_model(model: nn.Module, train_cfg, accelerator=None) -> list[str]:
     if kernel == "eager" and not getattr(model, "_supports_sdpa", False):
         kernel += f" ({type(model).__name__} has no sdpa path)"
     lines = [f"attention: {kernel}"]
+    fused = fuse_gelu_tanh(model)
+    if fused:
+        lines.append(fused)
     if train_cfg.activation_checkpointing:
         lines.append(enable_activation_checkpointing(model))
     if train_cfg.fp8 != "none":  # before compile (torchao's casts compile into the blocks) and sharding

@@ -69,6 +69,11 @@ def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, accelera
     was_training = inner.training
     inner.eval()
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(accelerator.device)
+    # No further than the model's positions: past them a learned position embedding (GPT-2) has no row
+    # (an IndexError after the whole training), and the model never trained there anyway.
+    limit = getattr(inner.config, "max_position_embeddings", None)
+    if limit is not None:
+        max_new_tokens = max(0, min(max_new_tokens, limit - ids.size(1)))
     out = inner.generate(
         ids,
         max_new_tokens=max_new_tokens,

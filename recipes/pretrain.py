@@ -40,6 +40,7 @@ from lmpretrain.observe import (
     ConsoleWarnings,
     Evaluator,
     MFUMeter,
+    TaskSuite,
     Tracker,
     format_log_line,
     generate_sample,
@@ -125,7 +126,11 @@ def train(cfg, cleanup: ExitStack) -> None:
     say(f"[lmpretrain] {train_data.describe()}")
     eval_size = cfg.eval.batches * cfg.eval.batch_size  # blocks
     held_out = heldout_blocks(cfg.data, tokenizer, num_blocks=eval_size, progress=accelerator.is_main_process)
-    evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator)
+    evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator, tokenizer)
+    tasks = TaskSuite.from_config(
+        cfg, tokenizer, accelerator, precision
+    )  # eval.tasks: loaded and checked now
+    say(f"[lmpretrain] {tasks.describe()}")
     fingerprint = run_fingerprint(cfg, W, train_data.fingerprint(), model_config)  # checked at resume
     meter = MFUMeter.for_run(
         model_config, cfg.data.seq_len, accelerator.device, precision.dtype or torch.float32
@@ -176,6 +181,9 @@ def train(cfg, cleanup: ExitStack) -> None:
     def run_eval():
         metrics = evaluator(model)
         state.record_eval(metrics["eval/loss"])
+        metrics.update(
+            tasks.run_if_due(model, state.step)
+        )  # every rank: lm-evaluation-harness on the live model
         if cfg.eval.sample_tokens:  # every rank: a sharded model generates on all of them
             text = generate_sample(model, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens, accelerator)
             tracker.log_samples(state.step, [(cfg.eval.prompt, text)])

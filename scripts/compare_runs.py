@@ -3,8 +3,8 @@
 
     python scripts/compare_runs.py runs/a runs/b [--plot loss.png] [--assert-close 1e-4] [--wandb]
 
-Prints a table (steps, final train loss, final/best eval loss, median tokens/s, wall time) and the
-config keys that differ, writes a PNG of loss vs tokens seen (default ``compare_runs.png``), and with
+Prints a table (steps, final train loss, final/best eval loss, final eval bits per byte, median tokens/s,
+wall time) and the config keys that differ, writes a PNG of loss vs tokens seen (default ``compare_runs.png``), and with
 ``--assert-close TOL`` exits 1 when two runs' train-loss curves differ by more than TOL at a common
 step (for CI regression checks). Reads ``metrics.jsonl``, or the offline W&B files with ``--wandb``.
 """

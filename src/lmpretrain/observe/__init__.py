@@ -1,15 +1,18 @@
-"""What a run shows: W&B tracking, the console line, progress bars, FLOPs/MFU, held-out evaluation."""
+"""What a run shows: W&B tracking, the console line, progress bars, FLOPs/MFU, held-out evaluation,
+downstream tasks (lm-evaluation-harness, imported only when a run has tasks)."""
 
 from lmpretrain.observe.console import ConsoleWarnings, format_log_line
 from lmpretrain.observe.evaluation import Evaluator, generate_sample
 from lmpretrain.observe.flops import MFUMeter
 from lmpretrain.observe.progress import step_bar
+from lmpretrain.observe.tasks import TaskSuite
 from lmpretrain.observe.tracking import Tracker, wandb_log_with
 
 __all__ = [
     "ConsoleWarnings",
     "Evaluator",
     "MFUMeter",
+    "TaskSuite",
     "Tracker",
     "format_log_line",
     "generate_sample",

@@ -26,6 +26,7 @@ TASK_RUN = [
     "--eval.batches=1",
     "--checkpoint.every=0",
     "--logging.wandb_mode=disabled",
+    "--logging.every=3",
     f"--eval.tasks=[builtin:{TASK}]",
     "--eval.tasks_every=3",
     f"--eval.tasks_limit={LIMIT}",

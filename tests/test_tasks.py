@@ -157,6 +157,7 @@ def test_bad_tasks_stop_the_run_at_start_up_with_one_message(tmp_path, stdlib_ca
         "--logging.wandb_mode=disabled",
         f"--eval.tasks=[hellaswagg, hellaswag, {bad_yaml}, builtin:nope]",
         launch="cpu",
+        launcher=rr.LAUNCHER,  # python -m lmpretrain.launch: a user error ends on its message, exit 2
         check=False,
         timeout=900,
     )

@@ -110,6 +110,23 @@ def test_console_line_shows_bpb_and_each_tasks_main_metric():
     assert f"bpb 1.234 | {TASK} acc_norm 0.625 | lambada_openai acc 0.250" in line
 
 
+def test_task_schedule_problems_are_reported_together_before_loading_anything():
+    from lmpretrain.config import load_config
+    from lmpretrain.errors import ConfigError
+    from lmpretrain.observe.tasks import TaskSuite
+
+    argv = [str(rr.SMOKE), "--eval.every=10", "--eval.tasks_every=15", "--eval.tasks_limit=0"]
+    with pytest.raises(ConfigError) as err:
+        TaskSuite.from_config(load_config([*argv, "--eval.tasks=[builtin:nope]"]), None, None, None)
+    assert err.value.problems == [
+        "eval.tasks_every=15 must be a multiple of eval.every=10: tasks run with a held-out evaluation "
+        "(or set eval.tasks_every=0 to run them only at the end)",
+        "eval.tasks_limit must be >= 1 or null (all examples), got 0",
+    ]
+    suite = TaskSuite.from_config(load_config([str(rr.SMOKE), "--eval.tasks_every=20"]), None, None, None)
+    assert not suite and not suite.due(20)  # no tasks: nothing to run, lm-evaluation-harness not loaded
+
+
 def harness_on_final(out, limit=LIMIT) -> dict:
     """lm-evaluation-harness's own simple_evaluate of the exported model, one process."""
     from lm_eval.evaluator import simple_evaluate

@@ -108,9 +108,9 @@ def _live_lm(model, tokenizer, accelerator, batch_size: int, dtype: torch.dtype 
 class TaskSuite:
     """The loaded `eval.tasks`, and when to run them (`eval.tasks_every`)."""
 
-    def __init__(self, cfg, specs: list[str], loaded: dict, tokenizer, accelerator, precision):
+    def __init__(self, cfg, loaded: dict, tokenizer, accelerator, precision):
         e = cfg.eval
-        self.specs, self.loaded = specs, loaded
+        self.loaded = loaded
         self.every, self.limit, self.fewshot = e.tasks_every, e.tasks_limit, e.tasks_fewshot
         self.batch_size, self.max_steps = e.batch_size, cfg.train.max_steps
         self.tokenizer, self.accelerator = tokenizer, accelerator
@@ -138,7 +138,7 @@ class TaskSuite:
             loaded = _load_tasks(e.tasks, e.tasks_fewshot, problems)
         if problems:
             raise ConfigError(problems, source=f"{cfg.config_path} (eval.tasks)")
-        return cls(cfg, list(e.tasks), loaded, tokenizer, accelerator, precision)
+        return cls(cfg, loaded, tokenizer, accelerator, precision)
 
     def __bool__(self) -> bool:
         return bool(self.loaded["tasks"])

@@ -127,9 +127,8 @@ def train(cfg, cleanup: ExitStack) -> None:
     eval_size = cfg.eval.batches * cfg.eval.batch_size  # blocks
     held_out = heldout_blocks(cfg.data, tokenizer, num_blocks=eval_size, progress=accelerator.is_main_process)
     evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator, tokenizer)
-    tasks = TaskSuite.from_config(
-        cfg, tokenizer, accelerator, precision
-    )  # eval.tasks: loaded and checked now
+    # eval.tasks: resolved and loaded now, so a bad task stops the run before its first step
+    tasks = TaskSuite.from_config(cfg, tokenizer, accelerator, precision)
     say(f"[lmpretrain] {tasks.describe()}")
     fingerprint = run_fingerprint(cfg, W, train_data.fingerprint(), model_config)  # checked at resume
     meter = MFUMeter.for_run(
@@ -181,9 +180,8 @@ def train(cfg, cleanup: ExitStack) -> None:
     def run_eval():
         metrics = evaluator(model)
         state.record_eval(metrics["eval/loss"])
-        metrics.update(
-            tasks.run_if_due(model, state.step)
-        )  # every rank: lm-evaluation-harness on the live model
+        # eval.tasks when due (eval.tasks_every): lm-evaluation-harness on the live model, every rank
+        metrics.update(tasks.run_if_due(model, state.step))
         if cfg.eval.sample_tokens:  # every rank: a sharded model generates on all of them
             text = generate_sample(model, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens, accelerator)
             tracker.log_samples(state.step, [(cfg.eval.prompt, text)])

@@ -51,6 +51,7 @@ from lmpretrain.observe import (
     Evaluator,
     MFUMeter,
     StepProfiler,
+    TaskSuite,
     Tracker,
     format_log_line,
     generate_sample,
@@ -168,6 +169,12 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     eval_size = cfg.eval.batches * cfg.eval.batch_size  # blocks
     held_out = heldout_blocks(cfg.data, tokenizer, num_blocks=eval_size, progress=accelerator.is_main_process)
     deepspeed = info.sharding.startswith("deepspeed")
+    precision = MixedPrecision(
+        cfg.train.precision, accelerator.device, cfg.train.loss_scale_init, engine=deepspeed
+    )
+    # eval.tasks: resolved and loaded now, so a bad task stops the run before the model is built
+    tasks = TaskSuite.from_config(cfg, tokenizer, accelerator, precision)
+    say(tasks.describe())
     guard = UpdateGuard(cfg.train, engine_steps=deepspeed)  # skips non-finite (and spiking) updates
     out = Path(cfg.run.output_dir)
     check_output_dir_writable(out)
@@ -189,9 +196,6 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     optimizer = build_optimizer(model, cfg.optim, accelerator.device)
     say(f"{counts['params_total']:,} parameters; optimizer groups: {describe_groups(optimizer)}")
     say(describe_implementation(optimizer, cfg.optim, accelerator.device))
-    precision = MixedPrecision(
-        cfg.train.precision, accelerator.device, cfg.train.loss_scale_init, engine=deepspeed
-    )
     # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (set_lr before each step from the
     # updates really applied), under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -201,7 +205,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     say(checkpointer.describe())
     if deepspeed:
         say(precision.check_engine_weights(model))
-    evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator)
+    evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator, tokenizer)
     fingerprint = run_fingerprint(cfg, W, train_data.fingerprint(), model_config)  # checked at resume
     made_by = provenance(recipe)  # which recipe file, commit and packages trained this run
     meter = MFUMeter.for_run(
@@ -260,6 +264,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     def run_eval():
         metrics = evaluator(model)
         state.record_eval(metrics["eval/loss"])
+        # eval.tasks when due (eval.tasks_every): lm-evaluation-harness on the live model, every rank
+        metrics.update(tasks.run_if_due(model, state.step))
         if cfg.eval.sample_tokens:  # every rank: a sharded model generates on all of them
             text = generate_sample(model, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens, accelerator)
             tracker.log_samples(state.step, [(cfg.eval.prompt, text)])

@@ -41,7 +41,8 @@ def make_run_dir(path: Path, lr: float, loss_shift: float = 0.0, steps: int = 20
             "_timestamp": 1000.0 + 2 * step,
         }
         if step % 5 == 0:
-            row.update({"eval/loss": 6.5 * math.exp(-step / 12) + 1.2 + loss_shift})
+            loss = 6.5 * math.exp(-step / 12) + 1.2 + loss_shift
+            row.update({"eval/loss": loss, "eval/bpb": loss / math.log(2) / 3.5})
         rows.append(row)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = {
@@ -73,6 +74,7 @@ def test_table_diff_plot_and_assert_close_pass_for_identical_runs(tmp_path):
         "final train loss",
         "final eval loss",
         "best eval loss",
+        "final eval bpb",
         "tokens/s (median)",
         "wall time (s)",
     ):
@@ -109,6 +111,7 @@ def test_library_pieces(tmp_path):
     assert [r.name for r in load_runs([a.path, b.path])] == [str(a.path), str(b.path)]  # same folder name
     s = summarize(b)
     assert s["steps"] == 20 and s["best_eval_loss"] == pytest.approx(6.5 * math.exp(-20 / 12) + 1.2)
+    assert s["final_eval_bpb"] == pytest.approx((6.5 * math.exp(-20 / 12) + 1.2) / math.log(2) / 3.5)
     assert s["tokens_per_s_median"] == pytest.approx(1010.5)
     lone = load_run(make_run_dir(tmp_path / "z", lr=1e-3))
     lone.rows = [{"step": 100, "train/loss": 1.0}]

@@ -259,6 +259,15 @@ class EvalConfig:
     """Prompt of the sample generation logged at each eval."""
     sample_tokens: int = 48
     """New tokens generated (greedy) for the sample; 0 disables samples."""
+    tasks: list[str] = field(default_factory=list)
+    """Downstream tasks scored on the live model by lm-evaluation-harness: its task names, task YAML paths,
+    or builtin:python_next_line (docs/evaluation.md). Logged as eval/<task>/<metric>."""
+    tasks_every: int = 0
+    """Run eval.tasks every N steps (a multiple of eval.every) and at the end; 0 = only at the end."""
+    tasks_limit: int | None = None
+    """Examples per task (its first N documents); null = all."""
+    tasks_fewshot: int = 0
+    """Few-shot examples in each prompt (a task whose own config pins 0-shot stays 0-shot)."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from lmpretrain.observe.tracking import read_jsonl
 
 LOSS_KEY = "train/loss"
 EVAL_KEY = "eval/loss"
+BPB_KEY = "eval/bpb"  # bits per byte: comparable across tokenizers, unlike the loss per token
 TOKENS_KEY = "train/tokens_seen"
 
 
@@ -100,9 +101,9 @@ def _series(run: Run, key: str) -> list[tuple[int, float]]:
 
 
 def summarize(run: Run, keys: tuple[str, ...] = ()) -> dict:
-    """Steps, final train loss, final/best eval loss, median tokens/s, wall time of a run, and the last
-    logged value of each of `keys` (any metric: a fork's `train/<term>`, `eval/...`)."""
-    train, evals = _series(run, LOSS_KEY), _series(run, EVAL_KEY)
+    """Steps, final train loss, final/best eval loss, final eval bpb, median tokens/s, wall time of a run,
+    and the last logged value of each of `keys` (any metric: a fork's `train/<term>`, `eval/...`)."""
+    train, evals, bpb = _series(run, LOSS_KEY), _series(run, EVAL_KEY), _series(run, BPB_KEY)
     tps = [v for _, v in _series(run, "perf/tokens_per_s")]
     stamps = [r["_timestamp"] for r in run.rows if "_timestamp" in r]
     return {
@@ -111,6 +112,7 @@ def summarize(run: Run, keys: tuple[str, ...] = ()) -> dict:
         "final_train_loss": train[-1][1] if train else None,
         "final_eval_loss": evals[-1][1] if evals else None,
         "best_eval_loss": min(v for _, v in evals) if evals else None,
+        "final_eval_bpb": bpb[-1][1] if bpb else None,
         "tokens_per_s_median": statistics.median(tps) if tps else None,
         # first to last logged step; includes any pause between a stop and its resume
         "wall_time_s": stamps[-1] - stamps[0] if len(stamps) > 1 else None,
@@ -126,6 +128,7 @@ def format_table(summaries: list[dict], keys: tuple[str, ...] = ()) -> str:
         ("final_train_loss", "final train loss", "{:.4f}"),
         ("final_eval_loss", "final eval loss", "{:.4f}"),
         ("best_eval_loss", "best eval loss", "{:.4f}"),
+        ("final_eval_bpb", "final eval bpb", "{:.4f}"),
         ("tokens_per_s_median", "tokens/s (median)", "{:.0f}"),
         ("wall_time_s", "wall time (s)", "{:.1f}"),
         *((key, key, "{:.4g}") for key in keys),

@@ -1,4 +1,5 @@
-"""What a run shows: W&B tracking, the console line, progress bars, FLOPs/MFU, held-out evaluation."""
+"""What a run shows: W&B tracking, the console line, progress bars, FLOPs/MFU, held-out evaluation,
+downstream tasks (lm-evaluation-harness, imported only when a run has tasks)."""
 
 from lmpretrain.observe.console import ConsoleWarnings, format_log_line
 from lmpretrain.observe.evaluation import Evaluator, generate_sample
@@ -6,6 +7,7 @@ from lmpretrain.observe.flops import MFUMeter
 from lmpretrain.observe.metrics import step_metrics
 from lmpretrain.observe.profiler import StepProfiler
 from lmpretrain.observe.progress import step_bar
+from lmpretrain.observe.tasks import TaskSuite
 from lmpretrain.observe.tracking import Tracker, wandb_log_with
 
 __all__ = [
@@ -13,6 +15,7 @@ __all__ = [
     "Evaluator",
     "MFUMeter",
     "StepProfiler",
+    "TaskSuite",
     "Tracker",
     "format_log_line",
     "generate_sample",

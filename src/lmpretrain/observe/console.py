@@ -113,6 +113,30 @@ def format_log_line(
         parts.append(
             f"eval loss {m['eval/loss']:.4f}" + (f" ppl {m['eval/ppl']:.2f}" if "eval/ppl" in m else "")
         )
+    if "eval/bpb" in m:
+        parts.append(f"bpb {m['eval/bpb']:.3f}")
+    for task, (metric, value) in main_task_metrics(m).items():
+        parts.append(f"{task} {metric} {value:.3f}")
     if "train/tokens_seen" in m:
         parts.append(f"{_si(m['train/tokens_seen'])} tokens")
     return " | ".join(parts)
+
+
+# The headline of a downstream task, in this order of preference: length-normalised accuracy where the
+# task reports it (multiple choice over answers of different lengths), else accuracy, else the others.
+_MAIN_TASK_METRICS = ("acc_norm", "acc", "exact_match", "f1", "mcc", "bleu", "word_perplexity")
+
+
+def main_task_metrics(metrics: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
+    """task -> (metric, value) of its headline metric, from the `eval/<task>/<metric>` keys."""
+    by_task: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "eval":
+            by_task.setdefault(parts[1], {})[parts[2]] = value
+    main = {}
+    for task, values in by_task.items():
+        name = next((n for n in _MAIN_TASK_METRICS if n in values), None)
+        if name is not None:
+            main[task] = (name, values[name])
+    return main

@@ -1,4 +1,12 @@
-"""Held-out loss and perplexity on a fixed set, reduced as sums across ranks; sample generations."""
+"""Held-out loss, perplexity and bits per byte on a fixed set, reduced as sums across ranks; samples.
+
+Bits per byte (`eval/bpb`) = the summed next-token losses of the held-out set / ln 2 / the UTF-8 bytes of
+the text its target tokens encode. Each block's targets are its tokens after the first; their bytes are
+those of `tokenizer.decode(targets, skip_special_tokens=True)`, so BOS/EOS/pad count no bytes while the
+loss of predicting them still counts (a document's end is information a compressor must store too). A
+character split across two blocks decodes as U+FFFD at the cut: a few bytes per block, none for ASCII.
+Unlike the loss per token, bpb does not depend on the tokenizer, so runs with different tokenizers compare.
+"""
 
 from __future__ import annotations
 
@@ -35,10 +43,15 @@ class Evaluator:
     precision: Any
     batch_size: int
     accelerator: Any
+    tokenizer: Any = None
+    """For eval/bpb; without it only loss and perplexity are reported."""
+
+    def __post_init__(self):
+        self.target_bytes = target_bytes(self.blocks, self.tokenizer) if self.tokenizer is not None else None
 
     @torch.no_grad()
     def __call__(self, model) -> dict:
-        """Mean next-token loss over all ranks' blocks (sum of losses / sum of targets) and perplexity."""
+        """Mean next-token loss over all ranks' blocks (sum of losses / sum of targets), perplexity, bpb."""
         acc, objective = self.accelerator, self.objective.held_out()
         model.eval()
         inputs, labels = rank_share(self.blocks, acc.process_index, acc.num_processes)
@@ -52,7 +65,19 @@ class Evaluator:
         total = acc.reduce(total, reduction="sum")
         model.train()
         loss = (total[0] / total[1]).item()
-        return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
+        metrics = {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
+        if self.target_bytes:
+            metrics["eval/bpb"] = total[0].item() / math.log(2) / self.target_bytes
+        return metrics
+
+
+def target_bytes(blocks: torch.Tensor, tokenizer) -> int:
+    """UTF-8 bytes of the text encoded by the targets of `blocks` (each block's tokens after its first),
+    special tokens excluded; the denominator of eval/bpb."""
+    return sum(
+        len(tokenizer.decode(row[1:], skip_special_tokens=True, clean_up_tokenization_spaces=False).encode())
+        for row in blocks.tolist()
+    )
 
 
 @torch.no_grad()

@@ -55,11 +55,11 @@ from lmpretrain.observe import (
     Tracker,
     format_log_line,
     generate_sample,
-    step_bar,
     step_metrics,
     wandb_log_with,
 )
 from lmpretrain.preflight import preflight
+from lmpretrain.progress import step_bar
 from lmpretrain.run import (
     LoopRNG,
     PreemptionHandler,

@@ -16,7 +16,7 @@ from lmpretrain.data import SourceSpec, open_source
 from lmpretrain.data.readers import Unit
 from lmpretrain.data.tokenizer import train_bpe, train_char_level
 from lmpretrain.errors import UserError
-from lmpretrain.observe.progress import announce
+from lmpretrain.progress import announce
 
 
 def texts_of(spec: SourceSpec, max_docs: int | None) -> Iterator[str]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lmpretrain.observe import progress
+from lmpretrain import progress
 
 
 def draw(n: int = 3) -> None:

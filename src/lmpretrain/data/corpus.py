@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmpretrain.errors import DataError
-from lmpretrain.observe.progress import announce, bar
+from lmpretrain.progress import announce, bar
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from lmpretrain.data.cursor import SourceCursor
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.sources import open_sources
 from lmpretrain.errors import DataError
-from lmpretrain.observe.progress import announce, bar
+from lmpretrain.progress import announce, bar
 
 if TYPE_CHECKING:
     from lmpretrain.config import DataConfig

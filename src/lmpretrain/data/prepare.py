@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.readers import Bad
 from lmpretrain.data.sources import TOKENS_FIELD, TOKENS_META, SourceSpec, open_source
-from lmpretrain.observe.progress import announce, bar
+from lmpretrain.progress import announce, bar
 
 _SCHEMA = pa.schema(
     [(TOKENS_FIELD, pa.list_(pa.int32())), ("doc_start", pa.bool_()), ("doc_end", pa.bool_())]

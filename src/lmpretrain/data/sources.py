@@ -304,7 +304,7 @@ def _open_hub(spec: SourceSpec) -> Source:
     """A Hub dataset: its split's parquet files read by row group when it has them, else a datasets stream."""
     from datasets import load_dataset_builder  # heavy import, only where a Hub dataset is really opened
 
-    from lmpretrain.observe.progress import announce
+    from lmpretrain.progress import announce
 
     announce(f"opening Hub dataset {spec.hub} (resolving its files over the network)")
     try:

@@ -264,7 +264,7 @@ def write_token_files(
     from lmpretrain.data.encoder import Encoder
     from lmpretrain.data.sources import open_source
     from lmpretrain.data.tokenizer import tokenizer_hash
-    from lmpretrain.observe.progress import announce, bar
+    from lmpretrain.progress import announce, bar
 
     out = Path(os.path.expanduser(out))
     if out.exists() and not overwrite:

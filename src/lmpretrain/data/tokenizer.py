@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from lmpretrain.data.corpus import CORPUS_VERSION, build_once, cache_root, ensure_stdlib_corpus, python_tag
 from lmpretrain.errors import TokenizerError
-from lmpretrain.observe.progress import announce, bars_enabled
+from lmpretrain.progress import announce, bars_enabled
 
 BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
 BUILTIN_PREFIX = "builtin:"

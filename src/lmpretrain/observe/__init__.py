@@ -6,7 +6,6 @@ from lmpretrain.observe.evaluation import Evaluator, generate_sample
 from lmpretrain.observe.flops import MFUMeter
 from lmpretrain.observe.metrics import step_metrics
 from lmpretrain.observe.profiler import StepProfiler
-from lmpretrain.observe.progress import step_bar
 from lmpretrain.observe.tasks import TaskSuite
 from lmpretrain.observe.tracking import Tracker, wandb_log_with
 
@@ -19,7 +18,6 @@ __all__ = [
     "Tracker",
     "format_log_line",
     "generate_sample",
-    "step_bar",
     "step_metrics",
     "wandb_log_with",
 ]

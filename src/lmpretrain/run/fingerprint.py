@@ -7,6 +7,7 @@ global batch's target count. So a resume that changes world_size / micro_batch_s
 grad_accum_steps but keeps the global batch needs no flag.
 """
 
+from lmpretrain.data.mixture import DATA_CHANGE_FLAG, compare_sources
 from lmpretrain.errors import CheckpointMismatchError
 
 # Resuming with a different number of dataloader workers is exact (streams, not workers, hold positions).
@@ -106,9 +107,6 @@ def check_fingerprint(
     (data/mixture.py); a source whose files or settings changed is a `sources` difference.
     Returns the lines to print (a note on a changed layout, a warning per accepted difference).
     """
-    # Imported here: lmpretrain.data imports lmpretrain.run (through observe).
-    from lmpretrain.data.mixture import DATA_CHANGE_FLAG, compare_sources
-
     mixture, source_diffs = compare_sources(saved.get("sources", []), current.get("sources", []))
     old = _flatten({k: v for k, v in saved.items() if k != "sources"})
     new = _flatten({k: v for k, v in current.items() if k != "sources"})

@@ -115,6 +115,8 @@ def train_step(
     assert accelerator.sync_gradients, "the last micro-batch of a step must synchronise gradients"
     precision.unscale_(optimizer)  # real-size grads
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)  # 5. clip
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a replicated DTensor
+        grad_norm = grad_norm.full_tensor()
     # The step's one device->host read: every rank's terms and host numbers, the target count, the norm.
     device = n_targets.device
     mine = torch.cat(

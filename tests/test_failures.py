@@ -120,3 +120,12 @@ def test_a_run_whose_final_evaluation_is_not_finite_is_diverged_and_exports_noth
     assert not (run.out / "final").exists()
     last = run.metrics()[-1]
     assert last["step"] == 5 and last["train/skipped_steps"] == 0 and last["train/loss"] == last["train/loss"]
+
+
+def test_a_missing_data_file_fails_on_two_processes_before_the_model_is_built(tmp_path):
+    """Data is opened before the model: a mistyped path costs seconds, not a model load."""
+    missing = tmp_path / "no-such-dir" / "train.jsonl"
+    run = via_launcher(tmp_path / "run", f"--data.train=[{{files: [{missing}]}}]", launch="cpu-ddp")
+    before = assert_ends_on(run, f"data file or glob {str(missing)!r} matches nothing")
+    assert not any("parameters; optimizer groups" in line for line in before)  # no model was built
+    assert not (tmp_path / "run" / "checkpoints").exists()

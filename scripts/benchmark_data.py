@@ -63,17 +63,22 @@ def _maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def child_throughput(workers: int, steps: int) -> dict:
-    ts = _stream(workers=workers)
+def _steps_per_s(ts, steps: int) -> float:
+    """Steps a second `ts` delivers after 10 warm-up steps (worker start, first windows); closes it."""
     it = iter(ts)
-    for _ in range(10):  # warm-up: worker start, first windows
+    for _ in range(10):
         next(it)
     start = time.perf_counter()
     for _ in range(steps):
         next(it)
     elapsed = time.perf_counter() - start
     ts.close()
-    return {"workers": workers, "steps": steps, "tokens_per_s": steps * BLOCKS * SEQ_LEN / elapsed}
+    return steps / elapsed
+
+
+def child_throughput(workers: int, steps: int) -> dict:
+    rate = _steps_per_s(_stream(workers=workers), steps)
+    return {"workers": workers, "steps": steps, "tokens_per_s": rate * BLOCKS * SEQ_LEN}
 
 
 def _restore(sources, state, streams=STREAMS) -> tuple[float, object, object]:
@@ -161,15 +166,8 @@ def child_big_restore(path: str, kind: str) -> dict:
 def child_token_throughput(folder: str, workers: int, steps: int, blocks: int) -> dict:
     """tokens/s of a stream over the default corpus: as text (folder "") or as the token files in `folder`."""
     ts = _stream([{"files": [folder]}] if folder else None, workers=workers, blocks=blocks)
-    it = iter(ts)
-    for _ in range(10):  # warm-up: worker start, first windows
-        next(it)
-    start = time.perf_counter()
-    for _ in range(steps):
-        next(it)
-    elapsed = time.perf_counter() - start
-    ts.close()
-    return {"steps": steps, "shuffle": ts.shuffle, "tokens_per_s": steps * blocks * SEQ_LEN / elapsed}
+    rate = _steps_per_s(ts, steps)
+    return {"steps": steps, "shuffle": ts.shuffle, "tokens_per_s": rate * blocks * SEQ_LEN}
 
 
 def child_token_rss(folder: str, steps: int) -> dict:

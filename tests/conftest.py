@@ -91,3 +91,15 @@ def two_ranks_accum2(tmp_path_factory):
         "--train.grad_accum_steps=2",
         launch="cpu-ddp",
     )
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny shapes gain nothing from a second thread, and on a busy machine its barriers cost seconds
+    (modules that want it: pytestmark = pytest.mark.usefixtures("one_thread"))."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -15,12 +15,7 @@ from lmpretrain.observe.evaluation import Evaluator
 VOCAB, WIDTH = 2048, 256
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def wide_model():

@@ -27,13 +27,7 @@ EOS = 3
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from a second thread, and on a busy machine its barriers cost seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(kind="llama", attn="sdpa", dtype=torch.float32, seed=0, **overrides):

@@ -13,6 +13,8 @@ import pytest
 
 import recipe_runner as rr
 
+pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
+
 BLOCK_BYTES = 1 << 20
 _WORDS = "def return self class import for while if else None True False lambda yield with as".split()
 
@@ -44,8 +46,6 @@ import json, resource, sys
 from lmpretrain.config import DataConfig
 from lmpretrain.data import SourceSpec, TrainStream
 from lmpretrain.data.tokenizer import load_tokenizer
-
-pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
 data = DataConfig(train=[SourceSpec(files=[sys.argv[1]])], seq_len=256, num_streams=8)
 ts = TrainStream(data, load_tokenizer("builtin:python-stdlib"), blocks_per_step=16, rank=0, world_size=1, seed=0)
 it = iter(ts)

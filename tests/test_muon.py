@@ -340,7 +340,6 @@ def test_a_sharded_muon_checkpoint_resumes_on_one_process(fsdp, tmp_path):
         out,
         *FSDP_RUN,
         "--train.micro_batch_size=4",
-        "--run.allow_mismatch=true",
         launch="cpu",
         timeout=TIMEOUT,
     )

@@ -30,7 +30,7 @@ def test_the_trace_holds_the_window_steps_and_their_ops(tmp_path):
     with StepProfiler([2, 3], tmp_path / "profile", torch.device("cpu"), rank=0, say=said.append) as profiler:
         train_steps(profiler, 5)
     trace = tmp_path / "profile" / "trace-rank0-steps2-3.json"
-    assert said == [f"[lmpretrain] profile of steps 2-3: {trace}"]
+    assert said == [f"profile of steps 2-3: {trace}"]
     names = [e["name"] for e in events(trace)]
     assert [n for n in names if n.startswith("train step")] == ["train step 2", "train step 3"]
     assert names.count("aten::addmm") == 2  # one forward per step

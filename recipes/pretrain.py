@@ -283,6 +283,16 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     )
     progress = step_bar(total=cfg.train.max_steps, initial=state.step, enabled=accelerator.is_main_process)
     cleanup.callback(progress.close)
+
+    def log_step(metrics, terms):
+        tracker.log(metrics, step=state.step)
+        progress.update(1)
+        progress.set_postfix(
+            loss=f"{metrics['train/loss']:.3f}", lr=f"{metrics['train/lr']:.2e}", refresh=False
+        )
+        if state.step % cfg.logging.every == 0 and accelerator.is_main_process:
+            progress.write(format_log_line(state.step, metrics, cfg.train.max_steps, terms=terms))
+
     max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
     first_step = state.step + 1
     if state.step == 0 and cfg.eval.every:  # the baseline every curve starts from
@@ -296,10 +306,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         lr = set_lr(optimizer, learning_rate(cfg, state.step - state.skipped_steps))
         input_ids = batch.input_ids.to(accelerator.device, non_blocking=True)
         labels = make_labels(input_ids, tokenizer.eos_token_id if cfg.train.mask_cross_doc_targets else None)
-        host = {
-            "stop": (preemption.received, "max"),
-            **step_counters(batch),
-        }  # combined over ranks in the step
+        host = {"stop": (preemption.received, "max"), **step_counters(batch)}  # combined over the ranks
         step = train_step(  # 2.-6. forward, backward, sync, clip, update
             model, optimizer, objective, input_ids, labels,
             accelerator=accelerator, precision=precision, guard=guard, max_norm=max_norm, host=host,
@@ -312,25 +319,13 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         metrics = step_metrics(
             step, batch, state, lr, max_norm, t_start, t_data, accelerator, meter, precision
         )
-        metrics |= {
-            name: int(value) for name, value in step["host"].items() if name != "stop"
-        }  # data counters
         if cfg.train.compile and state.step == first_step:  # compiling happens in the first steps
             metrics["perf/compile_s"] = compile_seconds()
         warnings.observe(state.step, metrics["train/loss"], metrics["train/clipped"], step["skipped"])
         final_step = state.step == cfg.train.max_steps
         if final_step or (cfg.eval.every and state.step % cfg.eval.every == 0):  # 7. evaluate
             metrics.update(run_eval())
-        tracker.log(metrics, step=state.step)
-        progress.update(1)
-        progress.set_postfix(
-            loss=f"{metrics['train/loss']:.3f}",
-            lr=f"{lr:.2e}",
-            tok_s=f"{metrics['perf/tokens_per_s']:,.0f}",
-            refresh=False,
-        )
-        if state.step % cfg.logging.every == 0 and accelerator.is_main_process:
-            progress.write(format_log_line(state.step, metrics, cfg.train.max_steps, terms=step["terms"]))
+        log_step(metrics, terms=step["terms"])  # W&B + metrics.jsonl, the step bar, the console line
         stop = bool(step["host"]["stop"])  # any rank signalled: every rank saves and stops here
         checkpointer.poll()  # commits a background save once every rank has written it
         # 8. checkpoint. Not periodically (nor at the end) while updates are being skipped: a diverging run

@@ -108,7 +108,9 @@ def test_offline_wandb_run_reads_back(smoke):
     assert config["train"]["max_steps"] == 20 and config["data"]["seq_len"] == 64
     assert config["params_total"] > 0 and config["runtime"]["world_size"] == 1
     assert config["peak_flops_source"].startswith("measured:cpu")
-    assert config["provenance"]["versions"]["torch"] and config["provenance"]["recipe"].endswith("pretrain.py")
+    assert config["provenance"]["versions"]["torch"] and config["provenance"]["recipe"].endswith(
+        "pretrain.py"
+    )
 
 
 def test_accumulation_equals_one_big_batch_with_uneven_ignored_tokens(tmp_path):

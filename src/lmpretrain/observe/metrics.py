@@ -1,6 +1,5 @@
 """The numbers logged for one optimizer step: the objective's terms as `train/<name>`, the update and the
-speed. The recipe's `train_step` returns the step's math; this adds the rest (the data's counters over
-all ranks come from data.step_counters)."""
+speed, and the data's counters. The recipe's `train_step` returns the step's math; this adds the rest."""
 
 from __future__ import annotations
 
@@ -29,4 +28,7 @@ def step_metrics(step, batch, state, lr, max_norm, t_start, t_data, accelerator,
     }
     if precision.scaler:
         metrics["train/loss_scale"] = precision.loss_scale
+    # The data's counters over all ranks (train/epoch, train/skipped_docs, data/<source>/tokens), combined
+    # in the step's one device read.
+    metrics |= {name: int(value) for name, value in step["host"].items() if name != "stop"}
     return metrics

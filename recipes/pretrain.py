@@ -328,10 +328,10 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         log_step(metrics, terms=step["terms"])  # W&B + metrics.jsonl, the step bar, the console line
         stop = bool(step["host"]["stop"])  # any rank signalled: every rank saves and stops here
         checkpointer.poll()  # commits a background save once every rank has written it
-        # 8. checkpoint. Not periodically (nor at the end) while updates are being skipped: a diverging run
-        # must not rotate its last good checkpoints out (keep_last) for copies of the weights it stalled on.
+        # 8. checkpoint. Not periodically while updates are skipped, nor at the end while they are non-finite:
+        # a diverging run must not rotate its last good checkpoints out for copies of the weights it stalled on.
         periodic = cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0 and not guard.consecutive
-        if stop or periodic or (final_step and not guard.consecutive):
+        if stop or periodic or (final_step and not guard.stalled):
             save_checkpoint()
         if stop:
             checkpointer.wait()

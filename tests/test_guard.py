@@ -80,7 +80,7 @@ def test_state_round_trip_gives_the_same_decisions():
     assert fresh.decisions != decisions[7:]  # the window is what makes it exact
     old = guard()
     old.load_state_dict(None)  # a checkpoint from before the guard
-    assert old.state_dict() == {"consecutive": 0, "losses": []}
+    assert old.state_dict() == {"consecutive": 0, "nonfinite": 0, "losses": []}
 
 
 def test_loss_window_keeps_the_last_losses():
@@ -162,3 +162,22 @@ def test_which_loss_scalers_back_off_overflows():
     mp.unscale_(opt)
     assert not mp.step(opt) and mp.loss_scale == 0.5
     assert not mp.backs_off_overflows  # below 1, inf gradients are beyond fp16 at their true size
+
+
+def test_a_run_ends_refused_only_while_its_skips_are_non_finite():
+    """A skipped spike at the last step is the guard at work; a non-finite streak there is a stalled run."""
+    spiky = guard(skip_spikes=True)
+    spiky.record(1, 2.0, 1.0, None)
+    spiky.record(2, 9.0, 1.0, SPIKE)
+    assert spiky.consecutive == 1 and not spiky.stalled
+    spiky.check_finished(2, 2.5)  # no error
+    stalled = guard()
+    stalled.record(1, 2.0, 1.0, None)
+    stalled.record(2, float("nan"), float("nan"), NONFINITE)
+    assert stalled.stalled
+    with pytest.raises(TrainingDiverged, match="the run reached its last step 2 while skipping updates"):
+        stalled.check_finished(2, 2.5)
+    stalled.record(3, 2.0, 1.0, None)
+    stalled.check_finished(3, 2.0)
+    with pytest.raises(TrainingDiverged, match="the final evaluation at step 3 has loss nan"):
+        stalled.check_finished(3, float("nan"))

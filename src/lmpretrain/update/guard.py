@@ -81,6 +81,7 @@ class UpdateGuard:
         # Half a window before judging: the mean and std of a few losses are too noisy to skip on.
         self.window = LossWindow(train_cfg.spike_window, min_count=max(2, train_cfg.spike_window // 2))
         self.consecutive = 0
+        self.nonfinite = 0  # of the skips since the last applied update, those with a non-finite loss or norm
 
     def check(self, loss: float, grad_norm: float, scaler_backs_off: bool = False) -> str | None:
         """Why this step's update must be skipped (NONFINITE, OVERFLOW or SPIKE), or None to apply it.
@@ -100,12 +101,13 @@ class UpdateGuard:
         """Count the step (applied when `skipped` is None); raise TrainingDiverged after
         train.max_skipped_steps skipped updates in a row (fp16 overflows the scaler handles excepted)."""
         if skipped is None:
-            self.consecutive = 0
+            self.consecutive = self.nonfinite = 0
             self.window.push(loss)
             return
         if skipped == OVERFLOW:
             return
         self.consecutive += 1
+        self.nonfinite += skipped == NONFINITE
         if self.consecutive >= self.max_skipped:
             first = step - self.consecutive + 1
             raise TrainingDiverged(
@@ -115,11 +117,17 @@ class UpdateGuard:
                 + _retry_hint(first)
             )
 
+    @property
+    def stalled(self) -> bool:
+        """Whether the updates since the last applied one were skipped for a non-finite loss or gradient
+        (a skipped loss spike is the guard working, not a stalled run)."""
+        return self.nonfinite > 0
+
     def check_finished(self, step: int, eval_loss: float | None) -> None:
         """At the end of the run, before anything is exported: raise TrainingDiverged when the last
-        updates were being skipped (a streak shorter than train.max_skipped_steps that the end cut off)
-        or the final evaluation's loss is not finite. Either way the model is not the trained one."""
-        if self.consecutive:
+        updates were being skipped as non-finite (a streak shorter than train.max_skipped_steps that the
+        end cut off) or the final evaluation's loss is not finite. Either way the model is not the trained one."""
+        if self.stalled:
             first = step - self.consecutive + 1
             raise TrainingDiverged(
                 f"training diverged: the run reached its last step {step} while skipping updates: those of "
@@ -138,10 +146,15 @@ class UpdateGuard:
             )
 
     def state_dict(self) -> dict:
-        return {"consecutive": self.consecutive, "losses": self.window.state_dict()}
+        return {
+            "consecutive": self.consecutive,
+            "nonfinite": self.nonfinite,
+            "losses": self.window.state_dict(),
+        }
 
     def load_state_dict(self, state: dict | None) -> None:
         """Restore a checkpoint's guard state (None: a checkpoint written before the guard existed)."""
         state = state or {}
         self.consecutive = int(state.get("consecutive", 0))
+        self.nonfinite = int(state.get("nonfinite", 0))
         self.window.load_state_dict(state.get("losses", []))

@@ -145,8 +145,10 @@ def test_document_masking_and_z_loss_are_on_and_logged(masked_straight):
         "document masking: on (positions restart after each EOS; block-causal mask)" in masked_straight.output
     )
     assert "packed documents = documents alone for llama with sdpa" in masked_straight.output
-    z = [r["train/z_loss"] for r in masked_straight.metrics()]
-    assert len(z) == 12 and all(0 < v < 1 for v in z)
+    # train/z_loss is the term's own (unweighted) mean of logsumexp(logits)^2 over the targets: at
+    # initialisation the logits are near 0, so logsumexp is near log(vocab) = log(8192) ~ 9.
+    z = [r["train/z_loss"] for r in masked_straight.metrics() if "train/z_loss" in r]
+    assert len(z) == 12 and all(1 < v < 200 for v in z), z
 
 
 def test_kill_9_with_every_switch_on_resumes_bit_identically(masked_straight, tmp_path):

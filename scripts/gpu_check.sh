@@ -39,7 +39,7 @@ COMMON=(
   --data.tokenizer=builtin:python-stdlib
   --data.num_workers=2 --data.num_streams=8
   --train.grad_accum_steps=1 --optim.warmup_steps=5
-  --eval.every=0 --eval.batches=1 --eval.sample_tokens=0
+  --eval.every=0 --eval.batches=1 --eval.sample_tokens=0 --eval.tasks='[]'  # speed rows: no task runs
   --checkpoint.every=0 --logging.wandb_mode=disabled --logging.every=10
 )
 TINY=(  # --dry-run on CPU: a tiny model, fp32, no compile, one thread

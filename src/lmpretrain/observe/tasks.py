@@ -124,7 +124,7 @@ class TaskSuite:
         problems = []
         if e.tasks_every < 0:
             problems.append(f"eval.tasks_every must be >= 0 (0 = only at the end), got {e.tasks_every}")
-        elif e.tasks_every and (not e.every or e.tasks_every % e.every):
+        elif e.tasks and e.tasks_every and (not e.every or e.tasks_every % e.every):
             problems.append(
                 f"eval.tasks_every={e.tasks_every} must be a multiple of eval.every={e.every}: tasks run "
                 "with a held-out evaluation (or set eval.tasks_every=0 to run them only at the end)"

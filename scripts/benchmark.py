@@ -155,6 +155,17 @@ class LeanLM(nn.Module):
         return F.linear(self.norm(x), self.embed.weight)
 
 
+def lean_step(model, optimizer, batch, B: int, K: int, max_norm: float) -> None:
+    """The lean reference's optimizer step: K micro-batches of B rows, mean loss / K, clip, AdamW."""
+    for x in batch.split(B):
+        logits = model(x)
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+        (loss / K).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def lean(config_path: str, overrides: list[str], steps: int, warmup: int, eval_every: int = 0) -> dict:
     """Tokens/s of the lean model on the recipe's first batches (in memory): fused AdamW with the recipe's
     hyper-parameters, weight-decay groups and lr schedule. With `eval_every`, also its held-out loss every
@@ -195,13 +206,7 @@ def lean(config_path: str, overrides: list[str], steps: int, warmup: int, eval_e
         start, cpu_start = time.perf_counter(), time.process_time()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
-        for x in batch.split(B):
-            logits = model(x)
-            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
-            (loss / K).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        lean_step(model, optimizer, batch, B, K, cfg.train.max_grad_norm)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == len(batches)):

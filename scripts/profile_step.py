@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,13 +94,7 @@ def lean_step(config_path: str, overrides: list[str], after: int, steps: int, to
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95), fused=True)
 
     def step(batch):
-        for x in batch.split(B):
-            logits = model(x)
-            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
-            (loss / K).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        benchmark.lean_step(model, optimizer, batch, B, K, cfg.train.max_grad_norm)
 
     for batch in batches[:after]:
         step(batch)

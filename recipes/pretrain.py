@@ -31,7 +31,7 @@ from lmpretrain.data import (
     mixture_change,
     step_counters,
 )
-from lmpretrain.errors import DataError, UserError
+from lmpretrain.errors import UserError
 from lmpretrain.launch import report_user_error
 from lmpretrain.model import (
     LMObjective,
@@ -67,6 +67,7 @@ from lmpretrain.run import (
     check_fingerprint,
     check_replicas_identical,
     provenance,
+    read_step,
     run_fingerprint,
     run_lock,
     runtime,
@@ -115,31 +116,8 @@ def train_step(
     assert accelerator.sync_gradients, "the last micro-batch of a step must synchronise gradients"
     precision.unscale_(optimizer)  # real-size grads
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)  # 5. clip
-    if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a replicated DTensor
-        grad_norm = grad_norm.full_tensor()
     # The step's one device->host read: every rank's terms and host numbers, the target count, the norm.
-    device = n_targets.device
-    mine = torch.cat(
-        [
-            torch.stack(list(sums.values())).flatten(),
-            torch.tensor([v for v, _ in host.values()], device=device),
-        ]
-    )
-    extra = torch.stack([n_targets.double(), torch.as_tensor(grad_norm, device=device).double()])
-    *ranks, n, grad_norm = torch.cat([accelerator.gather(mine.double()[None]).flatten(), extra]).tolist()
-    per_rank = [ranks[r * len(mine) : (r + 1) * len(mine)] for r in range(W)]
-    if n == 0:
-        raise DataError(
-            "every target of the global batch is ignored (-100), so there is no loss to train on; every "
-            "token starts a document, too short for train.mask_cross_doc_targets=true"
-        )
-    total = [sum(column) for column in zip(*per_rank, strict=True)]
-    means = {name: total[2 * i] / max(total[2 * i + 1], 1) for i, name in enumerate(sums)}
-    combine = {"sum": sum, "min": min, "max": max}
-    shared = {
-        name: combine[op](row[2 * len(sums) + i] for row in per_rank)
-        for i, (name, (_, op)) in enumerate(host.items())
-    }
+    means, grad_norm, shared = read_step(accelerator, sums, host, n_targets, grad_norm)
     # A non-finite loss or gradient (or a loss spike) skips the update: no weight or moment changes and
     # the schedule waits. DeepSpeed's engine makes the same non-finite check inside backward.
     skipped = guard.check(means["loss"], grad_norm, precision.backs_off_overflows)

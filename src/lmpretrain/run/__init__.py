@@ -1,5 +1,5 @@
 """Processes and the run around the loop: accelerate set-up, ranks, signals, the run lock, RNG, step
-counters, the resume fingerprint."""
+counters, the step's one device read, the resume fingerprint."""
 
 from lmpretrain.run import runtime
 from lmpretrain.run.distributed import check_replicas_identical
@@ -8,6 +8,7 @@ from lmpretrain.run.preemption import PreemptionHandler
 from lmpretrain.run.provenance import provenance
 from lmpretrain.run.rng import LoopRNG
 from lmpretrain.run.runlock import run_lock
+from lmpretrain.run.step_readout import read_step
 from lmpretrain.run.train_state import TrainState
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "check_fingerprint",
     "check_replicas_identical",
     "provenance",
+    "read_step",
     "run_fingerprint",
     "run_lock",
     "runtime",

@@ -1,12 +1,16 @@
-"""Tokenize a source once into token files (`format: tokens`), for training with the global shuffle.
+"""Tokenize a source once into token files (`format: tokens`) with a datatrove pipeline, for the global shuffle.
 
-    python scripts/prepare_data.py --builtin python-stdlib --tokenizer builtin:python-stdlib --out data/stdlib-tok
     python scripts/prepare_data.py --files 'corpus/**/*.jsonl' --tokenizer gpt2 --out data/corpus-tok
-    # then, in the config:  data.train: [{files: [data/stdlib-tok], format: tokens}]
+    python scripts/prepare_data.py --executor local --tasks 8 --workers 4 --files 'books/*.txt' \\
+        --separator blank_lines --tokenizer gpt2 --out data/books-tok
+    python scripts/prepare_data.py --executor slurm --partition cpu --tasks 512 --hub HuggingFaceFW/fineweb-edu \\
+        --hub-config sample-10BT --tokenizer gpt2 --out /shared/fineweb-tok
+    # then, in the config:  data.train: [{files: [data/corpus-tok]}]
 
 Writes a folder of flat token arrays (uint16/uint32) and document indexes with a tokens.json header
-(layout in docs/data.md), using several processes; the folder appears only when complete. Every
-document is framed [BOS] ids EOS as the run will read it (--add-bos: as data.add_bos).
+(layout in docs/data.md); the folder appears only when complete, and the same bytes for any --tasks.
+Every document is framed [BOS] ids EOS as the run will read it (--add-bos: as data.add_bos). Run the
+same command again after an interruption: the tasks already done are skipped.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import sys
 import time
 
 from lmpretrain.data import SourceSpec
-from lmpretrain.data.token_files import write_token_files
+from lmpretrain.data.prepare import EXECUTORS, plan_prepare, run_prepare
 from lmpretrain.data.tokenizer import load_tokenizer
 from lmpretrain.errors import UserError
 
@@ -46,10 +50,24 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="BOS before each document, as data.add_bos (auto: when the tokenizer has a distinct BOS)",
     )
-    parser.add_argument("--processes", type=int, default=os.cpu_count(), help="tokenizing processes")
+    parser.add_argument("--executor", choices=EXECUTORS, default="local", help="datatrove executor")
+    parser.add_argument(
+        "--tasks", type=int, default=os.cpu_count(), help="datatrove tasks (each takes whole files/pieces)"
+    )
+    parser.add_argument("--workers", type=int, default=-1, help="tasks running at once (-1: all)")
+    cluster = parser.add_argument_group("slurm / ray")
+    cluster.add_argument("--partition", help="slurm partition (required with --executor slurm)")
+    cluster.add_argument("--time", default="24:00:00", help="slurm time limit per task")
+    cluster.add_argument("--cpus-per-task", type=int, default=1)
+    cluster.add_argument("--mem-per-cpu-gb", type=float, default=2)
+    cluster.add_argument("--venv-path", help="slurm: a virtualenv the jobs activate")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if args.executor == "slurm" and not args.partition:
+        parser.error("--executor slurm needs --partition")
+    if args.tasks < 1:
+        parser.error("--tasks must be >= 1")
 
     spec = SourceSpec(
         name=args.builtin,
@@ -62,26 +80,34 @@ def main(argv: list[str] | None = None) -> int:
         separator=args.separator,
     )
     add_bos = {"auto": None, "true": True, "false": False}[args.add_bos]
+    cluster = {"cpus_per_task": args.cpus_per_task, "mem_per_cpu_gb": args.mem_per_cpu_gb}
+    if args.executor == "slurm":
+        cluster.update(partition=args.partition, time=args.time, venv_path=args.venv_path)
     start = time.time()
     try:
-        header = write_token_files(
+        prep = plan_prepare(
             spec,
             load_tokenizer(args.tokenizer),
             args.out,
             add_bos=add_bos,
-            processes=args.processes,
             overwrite=args.overwrite,
+            tasks=args.tasks,
         )
+        print(f"[lmpretrain] prepare: {prep.summary}; {args.tasks} {args.executor} tasks into {prep.out}")
+        header = run_prepare(prep, args.executor, args.tasks, args.workers, **cluster)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if header is None:
+        print(f"submitted to {args.executor}: logs in {prep.work / 'logs'}; {prep.out} appears when done")
+        return 0
     print(
         f"wrote {len(header['shards'])} shards to {args.out} in {time.time() - start:.1f}s: "
         f"{header['documents']:,} documents, {header['tokens']:,} tokens ({header['dtype']}), "
         f"{header['skipped']:,} bad records skipped (tokenizer {header['tokenizer_hash']}, add_bos "
         f"{header['add_bos']})"
     )
-    print(f"use it as a source: {{files: [{args.out}], format: tokens}}")
+    print(f"use it as a source: {{files: [{args.out}]}}")
     return 0
 
 

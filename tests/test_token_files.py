@@ -23,16 +23,17 @@ from data_helpers import by_stream, make, steps
 import recipe_runner as rr
 from lmpretrain.data import SourceSpec, merge_data_states
 from lmpretrain.data.global_shuffle import permute
-from lmpretrain.data.token_files import HEADER, write_token_files
+from lmpretrain.data.prepare import build_executors, plan_prepare, write_token_files
+from lmpretrain.data.token_files import HEADER
 from lmpretrain.errors import DataError
 
 PREPARE = Path(__file__).resolve().parents[1] / "scripts" / "prepare_data.py"
 
 
-def prepare(tmp_path, tok, docs=(30, 20, 45), processes=1, name="tok", **kw) -> Path:
+def prepare(tmp_path, tok, docs=(30, 20, 45), name="tok", **kw) -> Path:
     paths = write_jsonl_shards(tmp_path / f"{name}-text", list(docs), max_words=40)
     out = tmp_path / name
-    write_token_files(SourceSpec(files=paths), tok, out, processes=processes, progress=False, **kw)
+    write_token_files(SourceSpec(files=paths), tok, out, **kw)
     return out
 
 
@@ -73,13 +74,32 @@ def test_layout_holds_every_document_framed_with_an_index(tmp_path, small_tokeni
     )
 
 
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
 @pytest.mark.slow
-def test_several_processes_write_the_same_files_as_one(tmp_path, small_tokenizer):
-    one = prepare(tmp_path, small_tokenizer, docs=(300, 200, 450), name="one")
-    three = prepare(tmp_path, small_tokenizer, docs=(300, 200, 450), processes=3, name="three")
-    names = sorted(p.name for p in one.iterdir())
-    assert names == sorted(p.name for p in three.iterdir())
-    assert all((one / n).read_bytes() == (three / n).read_bytes() for n in names if n != HEADER)
+def test_any_task_count_writes_the_same_bytes(tmp_path, small_tokenizer):
+    """1, 2 and 3 datatrove tasks (2 of them at once) write byte-identical folders, header included, through
+    datatrove's JsonlReader (a shard per file) and through our reader (a shard per piece of text files)."""
+    jsonl = write_jsonl_shards(tmp_path / "jsonl", [120, 10, 200, 45, 80], max_words=40)
+    rng = random.Random(3)
+    for i in range(3):
+        (tmp_path / "txt" / f"{i}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "txt" / f"{i}.txt").write_text("\n\n".join(make_doc(f"{i}.{k}", rng) for k in range(60 * i + 5)))
+    text = SourceSpec(files=[str(tmp_path / "txt")], separator="blank_lines")
+    for spec, shards in ((SourceSpec(files=jsonl), 5), (text, 3)):
+        got = []
+        for tasks, workers in ((1, 1), (2, 2), (3, 1)):
+            out = tmp_path / f"out-{len(got)}-{shards}"
+            write_token_files(spec, small_tokenizer, out, tasks=tasks, workers=workers)
+            got.append(folder_bytes(out))
+            assert not list(tmp_path.glob(".*.prepare"))  # the work folder goes once the folder is complete
+        assert got[0] == got[1] == got[2]
+        header = json.loads(got[0][HEADER])
+        assert len(header["shards"]) == shards and header["documents"] == (455 if shards == 5 else 195)
+        stream = b"".join(got[0][f"{s['name']}.bin"] for s in header["shards"])
+        assert len(stream) == 2 * header["tokens"]
 
 
 def test_permutation_is_a_bijection_that_changes_with_the_key():
@@ -181,7 +201,7 @@ def test_resume_is_exact_across_epochs_world_sizes_and_sources(tmp_path, small_t
 def test_windows_shuffle_and_held_out_read_token_files_as_documents(tmp_path, small_tokenizer):
     paths = write_jsonl_shards(tmp_path / "text", [30, 20])
     folder = tmp_path / "tok"
-    write_token_files(SourceSpec(files=paths), small_tokenizer, folder, processes=1, progress=False)
+    write_token_files(SourceSpec(files=paths), small_tokenizer, folder)
     kw = dict(num_streams=1, blocks_per_step=4, shuffle="windows")
     text = make([SourceSpec(files=paths)], small_tokenizer, **kw)
     tokens = make([SourceSpec(files=[str(folder)], format="tokens")], small_tokenizer, **kw)
@@ -217,7 +237,7 @@ def test_refusals_name_the_fix(tmp_path, small_tokenizer):
     with pytest.raises(DataError, match="data.shuffle=global draws blocks from token files"):
         make([SourceSpec(files=text)], small_tokenizer, shuffle="global")
     with pytest.raises(DataError, match="exists; choose another --out or pass --overwrite"):
-        write_token_files(SourceSpec(files=text), small_tokenizer, mine, progress=False)
+        write_token_files(SourceSpec(files=text), small_tokenizer, mine)
     (mine / "shard-00000.bin").write_bytes(b"\0\0")
     with pytest.raises(DataError, match="damaged: prepare it again"):
         make([SourceSpec(files=[str(mine)])], small_tokenizer)
@@ -231,10 +251,10 @@ def test_prepare_script_killed_leaves_nothing_that_looks_complete(tmp_path, smal
     small_tokenizer.save_pretrained(tmp_path / "tokenizer")
     out = tmp_path / "tokens"
     cmd = [sys.executable, str(PREPARE), "--files", str(tmp_path / "*.txt"), "--separator", "blank_lines"]
-    cmd += ["--tokenizer", str(tmp_path / "tokenizer"), "--out", str(out), "--processes", "2"]
+    cmd += ["--tokenizer", str(tmp_path / "tokenizer"), "--out", str(out), "--tasks", "4", "--workers", "2"]
     proc = subprocess.Popen(cmd, env={**os.environ, "CI": "true"}, start_new_session=True)
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".tokens.tmp-*/shard-*.bin")) and time.monotonic() < deadline:
+    while not list(tmp_path.glob(".tokens.prepare/shards/shard-*.json")) and time.monotonic() < deadline:
         time.sleep(0.05)
     rr.kill_tree(proc, signal.SIGKILL)
     proc.wait(timeout=60)
@@ -242,7 +262,7 @@ def test_prepare_script_killed_leaves_nothing_that_looks_complete(tmp_path, smal
     assert not out.exists() and not list(tmp_path.rglob(HEADER))
     with pytest.raises(DataError):
         make([SourceSpec(files=[str(out)], format="tokens")], small_tokenizer)
-    # Run again to the end: the folder appears complete, and the leftover temporary is not read.
+    # The same command again resumes (datatrove skips the tasks it marked complete) and completes the folder.
     done = subprocess.run(cmd, env={**os.environ, "CI": "true"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "80,000 documents" in done.stdout and (out / HEADER).exists()
@@ -257,7 +277,7 @@ def stdlib_tokens(tmp_path_factory, stdlib_cache):
     paths = write_jsonl_shards(root / "text", [400, 300, 500], max_words=80)
     val = write_jsonl_shards(root / "val", [200], prefix="val", seed=1, max_words=80)
     tok = load_tokenizer("builtin:python-stdlib")
-    write_token_files(SourceSpec(files=paths), tok, root / "tok", processes=1, progress=False)
+    write_token_files(SourceSpec(files=paths), tok, root / "tok")
     return root / "tok", val[0]
 
 

@@ -1,94 +1,351 @@
-"""Pre-tokenize a source into parquet token shards (`format: "tokens"`) that stream like the original.
+"""Tokenize a source into token files (data/token_files.py) with a datatrove pipeline, on one machine or a cluster.
 
-One output file per input file (or Hub shard) and one row per unit the readers produce — a record, or for
-text files a part of a document, with `doc_start`/`doc_end` flags; a bad record or line becomes an empty
-row, which the stream skips and counts as it would the text. So a tokens source gives the same blocks as
-the text source it came from, for any seed and world size, as long as both are cut into the same pieces:
-always when the source has at least data.num_streams files (otherwise big text/JSON Lines files are cut
-by byte ranges and their token files by row groups).
+The launcher (`plan_prepare`) opens the source once — files expanded, a Hub dataset listed and its parquet
+footers read, the tokenizer checked — and writes the file list to `files.txt`, so no task lists anything
+again. Every task then runs
+
+    reader  datatrove's JsonlReader / ParquetReader over its files (paths_file lines rank, rank + tasks, ...),
+            or `SourceReader` (ours, over data/readers.py) for what datatrove has no reader for: text files
+            (one document per file or separated), JSON arrays, Hub datasets without parquet files
+    writer  `ShardWriter` (ours): tokenizes with the run's Encoder (special-token strings encoded as text,
+            BOS/EOS framing) and writes one shard per input piece — a file, or a piece of our reader — named
+            by the piece's number in the source, never by the task, so any task count writes the same bytes
+
+and one final task (`FinishFolder`, a dependent job on a cluster) writes the header last and renames the
+folder into place. All of it lives in a hidden `.NAME.prepare/` beside the output (shards, datatrove's logs
+and completion markers); an interrupted prepare leaves no tokens.json, and running the same command again
+resumes it (datatrove skips the tasks it marked complete).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+import numpy as np
+from datatrove.data import Document
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.readers import JsonlReader, ParquetReader
+from datatrove.pipeline.readers.base import BaseReader
 
 from lmpretrain.data.encoder import Encoder
-from lmpretrain.data.readers import Bad
-from lmpretrain.data.sources import TOKENS_FIELD, TOKENS_META, SourceSpec, open_source
-from lmpretrain.progress import announce, bar
+from lmpretrain.data.readers import Bad, is_url
+from lmpretrain.data.sources import SourceSpec, as_spec, open_source
+from lmpretrain.data.token_files import HEADER, VERSION, token_dtype
+from lmpretrain.errors import DataError
 
-_SCHEMA = pa.schema(
-    [(TOKENS_FIELD, pa.list_(pa.int32())), ("doc_start", pa.bool_()), ("doc_end", pa.bool_())]
-)
+PREPARE_PIECES = 64  # our reader cuts a source into (about) this many pieces, whatever the task count
+EXECUTORS = ("local", "slurm", "ray")
+_BATCH_DOCS, _BATCH_CHARS = 256, 1 << 20  # documents tokenized per call
 
 
-def pretokenize(
-    spec: SourceSpec | dict, tokenizer, out_dir: str | os.PathLike, *, batch_rows: int = 256
-) -> list[str]:
-    """Write `tokens-XXXXX-of-NNNNN.parquet` (columns input_ids, doc_start, doc_end) plus `tokens_meta.json`;
-    returns the shards. Draws a progress bar (main process, not under CI)."""
+class SourceReader(BaseReader):
+    """A datatrove reader over lmpretrain's own readers: the pieces rank, rank + world_size, ... of a source,
+    each document (or part of one, for long text) a Document tagged with its piece number."""
+
+    name = "lmpretrain source"
+
+    def __init__(self, spec: SourceSpec):
+        super().__init__()
+        self.spec = spec
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        source = open_source(self.spec)
+        for n, piece in enumerate(source.pieces(PREPARE_PIECES)):
+            if n % world_size != rank:
+                continue
+            for k, item in enumerate(source.read(piece, None)):
+                meta = {"shard": n}
+                if isinstance(item, Bad):
+                    self.stat_update("bad_records")
+                    yield Document(text="", id=f"{n}/{k}", metadata={**meta, "bad": True})
+                else:
+                    yield Document(
+                        text=item.value, id=f"{n}/{k}", metadata={**meta, "bos": item.bos, "eos": item.eos}
+                    )
+
+
+class _Shard:
+    """One shard being written: shard-N.bin (framed ids), then at close shard-N.idx and shard-N.json."""
+
+    def __init__(self, folder: str, name: str, encoder: Encoder, dtype: np.dtype):
+        self.path = os.path.join(folder, name)
+        self.name, self.encoder, self.dtype = name, encoder, dtype
+        self.out = open(self.path + ".bin", "wb")
+        self.starts: list[int] = []
+        self.written = self.skipped = 0
+        self.max_id = -1
+        self.batch: list[tuple[str, bool, bool]] = []
+        self.chars = 0
+
+    def add(self, doc: Document) -> None:
+        meta = doc.metadata
+        if meta.get("bad") or not isinstance(doc.text, str):
+            self.skipped += 1  # a bad record, or a field that is not text (datatrove's readers pass it on)
+            return
+        self.batch.append((doc.text, meta.get("bos", True), meta.get("eos", True)))
+        self.chars += len(doc.text)
+        if len(self.batch) >= _BATCH_DOCS or self.chars >= _BATCH_CHARS:
+            self.flush()
+
+    def flush(self) -> None:
+        for ids, (_, bos, eos) in zip(self.encoder([t for t, _, _ in self.batch]), self.batch, strict=True):
+            if bos or not self.starts:
+                self.starts.append(self.written)
+            framed = self.encoder.frame(ids, bos, eos)
+            if len(framed):
+                self.max_id = max(self.max_id, int(framed.max()))
+            self.out.write(framed.astype(self.dtype).tobytes())
+            self.written += len(framed)
+        self.batch, self.chars = [], 0
+
+    def close(self) -> dict:
+        self.flush()
+        self.out.close()
+        np.array([*self.starts, self.written], dtype="<u8").tofile(self.path + ".idx")
+        counts = {"name": self.name, "tokens": self.written, "documents": len(self.starts)}
+        counts.update(skipped=self.skipped, max_id=self.max_id)
+        Path(self.path + ".json").write_text(json.dumps(counts))  # last: the shard is whole
+        return counts
+
+
+class ShardWriter(PipelineStep):
+    """Tokenize documents into one token-file shard per input piece (`metadata["shard"]`, or the number of
+    the document's file in the launcher's list)."""
+
+    name = "lmpretrain token shards"
+    type = "🔢 - TOKENIZER"
+
+    def __init__(self, folder: str, tokenizer, add_bos: bool, files: list[str] | None, digits: int):
+        super().__init__()
+        self.folder, self.tokenizer, self.add_bos, self.digits = folder, tokenizer, add_bos, digits
+        self.shard_of = {f: n for n, f in enumerate(files or [])}  # datatrove's metadata["file_path"] -> n
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one tokenizer thread per task
+        encoder = Encoder(self.tokenizer, self.add_bos)
+        dtype = token_dtype(len(self.tokenizer))
+        shard, done = None, set()
+        for doc in data or ():
+            n = doc.metadata.get("shard")
+            n = self.shard_of[doc.metadata["file_path"]] if n is None else n
+            if shard is None or n != shard[0]:
+                if shard is not None:
+                    self._close(*shard)
+                if n in done:  # a piece is read in one go; if not, its shard would be overwritten
+                    raise RuntimeError(f"piece {n} came back after another piece")
+                done.add(n)
+                shard = (n, _Shard(self.folder, f"shard-{n:0{self.digits}d}", encoder, dtype))
+            with self.track_time():
+                shard[1].add(doc)
+        if shard is not None:
+            self._close(*shard)
+        return
+        yield  # a generator step that ends the pipeline
+
+    def _close(self, n: int, shard: _Shard) -> None:
+        counts = shard.close()
+        self.stat_update("shards")
+        self.stat_update("documents", value=counts["documents"])
+        self.stat_update("tokens", value=counts["tokens"])
+
+
+class FinishFolder(PipelineStep):
+    """The one final task: the header from every shard's counts, written last, then the folder renamed to `out`
+    (an existing `out`, with --overwrite, goes only once the new folder is complete)."""
+
+    name = "lmpretrain token-file header"
+    type = "🔢 - TOKENIZER"
+
+    def __init__(self, folder: str, out: str, header: dict):
+        super().__init__()
+        self.folder, self.out, self.header = folder, out, header
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        folder, out = Path(self.folder), Path(self.out)
+        shards = [json.loads(p.read_text()) for p in sorted(folder.glob("shard-*.json"))]
+        for s in shards:
+            (folder / f"{s['name']}.json").unlink()
+            if not s["documents"]:  # nothing usable in that piece
+                (folder / f"{s['name']}.bin").unlink()
+                (folder / f"{s['name']}.idx").unlink()
+        shards = [s for s in shards if s["documents"]]
+        if not shards:
+            raise DataError(f"source {self.header['source']}: no usable document to tokenize")
+        header = {
+            **self.header,
+            "max_id": max(s["max_id"] for s in shards),
+            "tokens": sum(s["tokens"] for s in shards),
+            "documents": sum(s["documents"] for s in shards),
+            "skipped": sum(s["skipped"] for s in shards),
+            "shards": [{k: s[k] for k in ("name", "tokens", "documents")} for s in shards],
+        }
+        (folder / HEADER).write_text(json.dumps(header, indent=2))
+        if out.exists():
+            old = out.parent / f".{out.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            folder.rename(out)
+            shutil.rmtree(old)
+        else:
+            folder.rename(out)
+        return
+        yield
+
+
+@dataclass
+class Prepare:
+    """A planned prepare: the two pipelines and where they write."""
+
+    out: Path
+    work: Path  # .NAME.prepare/ beside out: shards/, files.txt, logs/, job.json
+    reader: PipelineStep
+    writer: ShardWriter
+    finish: FinishFolder
+    summary: str
+
+
+def _root_and_relative(files: list[str]) -> tuple[str, list[str]]:
+    """A folder (local, or an fsspec URL such as hf://datasets/org/name@commit) and the files relative to it."""
+    if is_url(files[0]):
+        root = os.path.dirname(files[0])
+        while not all(f.startswith(root + "/") for f in files):
+            root = os.path.dirname(root)
+    else:
+        files = [os.path.abspath(f) for f in files]
+        root = os.path.commonpath([os.path.dirname(f) for f in files])
+    return root, [f[len(root) :].lstrip("/") for f in files]
+
+
+def plan_prepare(
+    spec: SourceSpec | dict,
+    tokenizer,
+    out,
+    *,
+    add_bos: bool | None = None,
+    overwrite: bool = False,
+    tasks: int = 1,
+) -> Prepare:
+    """Open the source and check everything a task needs, before any work; the work folder is kept when it
+    belongs to the same command (a resume), else made afresh."""
     from lmpretrain.data.tokenizer import tokenizer_hash
 
-    source = open_source(spec)
-    encoder = Encoder(tokenizer, add_bos=False)  # BOS/EOS are added when streaming
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    pieces = source.pieces(1)  # one stream: every file (shard) is one piece, read in order
-    announce(f"pre-tokenizing {source.summary(1)} into {out}")
-    paths, totals = [], {"documents": 0, "tokens": 0, "bad": 0}
-    with bar(desc="pre-tokenizing", unit="doc") as shown:
-        for n, piece in enumerate(pieces):
-            path = out / f"tokens-{n:05d}-of-{len(pieces):05d}.parquet"
-            with pq.ParquetWriter(path, _SCHEMA) as writer:
-                rows: list = []
-                for item in source.read(piece, None):
-                    rows.append(item)
-                    if len(rows) >= batch_rows:
-                        _write(writer, encoder, rows, totals, shown)
-                        rows = []
-                if rows:
-                    _write(writer, encoder, rows, totals, shown)
-            paths.append(str(path))
-            shown.set_postfix(file=f"{n + 1}/{len(pieces)}", tokens=f"{totals['tokens']:,}", refresh=False)
-    meta = {
+    spec = as_spec(spec)
+    out = Path(os.path.expanduser(str(out))).absolute()
+    if out.exists() and not overwrite:
+        raise DataError(f"{out} exists; choose another --out or pass --overwrite")
+    source = open_source(spec)  # the one listing (and, for parquet, footer read) of the source
+    if source.format == "tokens":
+        raise DataError(f"source {spec.label} is token files already; train on it directly")
+    encoder = Encoder(tokenizer, add_bos)  # checks EOS/BOS before any work
+    work = out.parent / f".{out.name}.prepare"
+    digits = max(5, len(str(max(len(source.files), PREPARE_PIECES))))
+    job = {
+        "source": asdict(spec),
+        "listing": source.fingerprint()["expanded"],
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "add_bos": encoder.add_bos,
+        "tasks": tasks,
+        "version": VERSION,
+    }
+    job_file = work / "job.json"
+    if not (job_file.is_file() and json.loads(job_file.read_text()) == job):
+        shutil.rmtree(work, ignore_errors=True)
+    (work / "shards").mkdir(parents=True, exist_ok=True)
+    job_file.write_text(json.dumps(job, indent=2))
+    shards = str(work / "shards")
+    json_lines = source.format == "json" and not any(source.json_arrays)
+    if source.is_hub or not (json_lines or source.format == "parquet"):
+        reader, files = SourceReader(spec), None
+        summary = f"{source.summary(PREPARE_PIECES)}, read by lmpretrain's readers"
+    else:
+        root, relative = _root_and_relative(source.files)
+        (work / "files.txt").write_text("".join(f + "\n" for f in relative))
+        paths = str(work / "files.txt")
+        if json_lines:
+            reader = JsonlReader(root, paths_file=paths, text_key=source.field, compression="infer")
+        else:
+            reader = ParquetReader(root, paths_file=paths, text_key=source.field, read_metadata=False)
+        files = [reader.data_folder.resolve_paths(f) for f in relative]
+        summary = f"{source.summary(1)}, read by datatrove's {type(reader).__name__} (one shard per file)"
+    header = {
+        "version": VERSION,
+        "dtype": token_dtype(len(tokenizer)).str,
         "tokenizer": getattr(tokenizer, "name_or_path", ""),
         "tokenizer_hash": tokenizer_hash(tokenizer),
+        "vocab_size": len(tokenizer),
+        "add_bos": encoder.add_bos,
+        "bos_id": encoder.bos_id,
+        "eos_id": encoder.eos_id,
         "source": source.label,
-        "shards": len(pieces),
-        **totals,
-        "bos_eos_added_when_streaming": True,
     }
-    (out / TOKENS_META).write_text(json.dumps(meta, indent=2))
-    return paths
+    writer = ShardWriter(shards, tokenizer, encoder.add_bos, files, digits)
+    return Prepare(out, work, reader, writer, FinishFolder(shards, str(out), header), summary)
 
 
-def _write(writer, encoder: Encoder, rows: list, totals: dict, shown) -> None:
-    """Append one row per unit; bad records become empty rows (flags set, so they are skipped, not joined)."""
-    text = [i for i, r in enumerate(rows) if not isinstance(r, Bad) and isinstance(r.value, str)]
-    ids: list = [[] for _ in rows]
-    for i, enc in zip(text, encoder([rows[i].value for i in text]), strict=True):
-        ids[i] = enc
-    for i, r in enumerate(rows):
-        if not isinstance(r, Bad) and not isinstance(r.value, str):  # a tokens source re-prepared
-            ids[i] = r.value
-    starts = [True if isinstance(r, Bad) else r.bos for r in rows]
-    ends = [True if isinstance(r, Bad) else r.eos for r in rows]
-    table = pa.table(
-        {
-            TOKENS_FIELD: pa.array([list(map(int, x)) for x in ids], type=pa.list_(pa.int32())),
-            "doc_start": starts,
-            "doc_end": ends,
-        },
-        schema=_SCHEMA,
-    )
-    writer.write_table(table)
-    docs = sum(1 for r in rows if not isinstance(r, Bad) and r.eos)
-    totals["documents"] += docs
-    totals["tokens"] += sum(map(len, ids))
-    totals["bad"] += sum(isinstance(r, Bad) for r in rows)
-    shown.update(docs)
+def build_executors(prep: Prepare, executor: str = "local", tasks: int = 1, workers: int = -1, **cluster):
+    """(tokenize, finish): datatrove executors of `tasks` tokenizing tasks and the one final task, which
+    depends on them. `cluster`: slurm's partition, time, cpus_per_task, mem_per_cpu_gb, sbatch_args (and
+    venv_path), ray's cpus_per_task, mem_per_cpu_gb."""
+    logs = prep.work / "logs"
+    pipeline = [prep.reader, prep.writer]
+    if executor == "local":
+        from datatrove.executor import LocalPipelineExecutor
+
+        tokenize = LocalPipelineExecutor(
+            pipeline, tasks=tasks, workers=workers, logging_dir=str(logs / "tokenize")
+        )
+        finish = LocalPipelineExecutor([prep.finish], logging_dir=str(logs / "finish"), depends=tokenize)
+    elif executor == "slurm":
+        from datatrove.executor import SlurmPipelineExecutor
+
+        common = dict(cluster, job_name=f"prepare-{prep.out.name}")
+        tokenize = SlurmPipelineExecutor(
+            pipeline, tasks=tasks, workers=workers, logging_dir=str(logs / "tokenize"), **common
+        )
+        common.update(job_name=f"prepare-{prep.out.name}-header", cpus_per_task=1)
+        finish = SlurmPipelineExecutor(
+            [prep.finish], tasks=1, logging_dir=str(logs / "finish"), depends=tokenize, **common
+        )
+    elif executor == "ray":
+        from datatrove.executor import RayPipelineExecutor
+
+        tokenize = RayPipelineExecutor(
+            pipeline, tasks=tasks, workers=workers, logging_dir=str(logs / "tokenize"), **cluster
+        )
+        finish = RayPipelineExecutor(
+            [prep.finish], tasks=1, logging_dir=str(logs / "finish"), depends=tokenize
+        )
+    else:
+        raise DataError(f"--executor {executor!r} is not one of {EXECUTORS}")
+    return tokenize, finish
+
+
+def run_prepare(
+    prep: Prepare, executor: str = "local", tasks: int = 1, workers: int = -1, **cluster
+) -> dict | None:
+    """Run the prepare (local, ray) or submit it (slurm); returns the header once the folder is in place here."""
+    build_executors(prep, executor, tasks, workers, **cluster)[1].run()
+    if not (prep.out / HEADER).is_file():  # submitted: the final job writes it
+        return None
+    shutil.rmtree(prep.work)
+    return json.loads((prep.out / HEADER).read_text())
+
+
+def write_token_files(
+    spec,
+    tokenizer,
+    out,
+    *,
+    add_bos: bool | None = None,
+    tasks: int = 1,
+    workers: int = -1,
+    overwrite: bool = False,
+) -> dict:
+    """Tokenize a source into the token-file folder `out` on this machine (`tasks` tasks, `workers` at a
+    time; -1: all); returns the header. The folder appears only when complete."""
+    prep = plan_prepare(spec, tokenizer, out, add_bos=add_bos, overwrite=overwrite, tasks=tasks)
+    return run_prepare(prep, "local", tasks, workers)

@@ -10,17 +10,15 @@ A token-file folder (layout version 1) holds
                        shard's length: documents + 1 values
 
 Both arrays are plain binary, so `np.memmap(path, dtype)` maps them; we read them with `os.pread`, not
-a map, so the pages a run touches never count in its resident memory, whatever the corpus size. A
-prepare writes into a hidden temporary folder and renames it into place after the header, so an
-interrupted one leaves nothing that looks like token files.
+a map, so the pages a run touches never count in its resident memory, whatever the corpus size. They
+are written by data/prepare.py (scripts/prepare_data.py), the header last, so an interrupted prepare
+leaves nothing that looks like token files.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +29,6 @@ from lmpretrain.errors import DataError
 
 HEADER = "tokens.json"
 VERSION = 1
-PREPARE_PIECES = 64  # a prepare cuts the source into (about) this many shards, whatever the process count
 
 
 def is_token_folder(path: str | os.PathLike) -> bool:
@@ -194,146 +191,3 @@ def check_tokenizer(files: TokenFiles, tokenizer, label: str) -> None:
             f"source {label} was prepared with another tokenizer ({files.header.get('tokenizer')!r}, hash "
             f"{files.header['tokenizer_hash']}); run scripts/prepare_data.py again with this one"
         )
-
-
-# ---- writing ---------------------------------------------------------------------------------------------
-
-_job: dict = {}  # set in each prepare process by _init_job
-
-
-def _init_job(spec, tokenizer, add_bos: bool | None, dtype: str, folder: str) -> None:
-    from lmpretrain.data.encoder import Encoder
-    from lmpretrain.data.sources import open_source
-
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one tokenizer thread per process
-    _job.update(
-        source=open_source(spec), encoder=Encoder(tokenizer, add_bos), dtype=np.dtype(dtype), folder=folder
-    )
-
-
-def _write_piece(job: tuple[int, Piece]) -> dict:
-    """Tokenize one piece into shard-<n>.bin/.idx; returns its counts."""
-    n, piece = job
-    source, encoder, dtype = _job["source"], _job["encoder"], _job["dtype"]
-    name = f"shard-{n:05d}"
-    path = os.path.join(_job["folder"], name)
-    starts, written, skipped, max_id, batch, size = [], 0, 0, -1, [], 0
-    with open(path + ".bin", "wb") as out:
-
-        def flush():
-            nonlocal written, max_id
-            texts = [u.value for u in batch if isinstance(u.value, str)]
-            encoded = iter(encoder(texts))
-            for u in batch:
-                ids = next(encoded) if isinstance(u.value, str) else np.asarray(u.value, dtype=np.int64)
-                if u.bos or not starts:
-                    starts.append(written)
-                framed = encoder.frame(ids, u.bos, u.eos)
-                if len(framed):
-                    max_id = max(max_id, int(framed.max()))
-                out.write(framed.astype(dtype).tobytes())
-                written += len(framed)
-            batch.clear()
-
-        for item in source.read(piece, None):
-            if isinstance(item, Bad):
-                skipped += 1
-                continue
-            batch.append(item)
-            size += len(item.value)
-            if len(batch) >= 256 or size >= 1 << 20:
-                flush()
-                size = 0
-        flush()
-    np.array([*starts, written], dtype="<u8").tofile(path + ".idx")
-    return {"name": name, "tokens": written, "documents": len(starts), "skipped": skipped, "max_id": max_id}
-
-
-def write_token_files(
-    spec,
-    tokenizer,
-    out: str | os.PathLike,
-    *,
-    add_bos: bool | None = None,
-    processes: int | None = None,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> dict:
-    """Tokenize a source into a token-file folder `out` with `processes` processes; returns the header.
-    The folder appears (renamed into place) only when complete; `overwrite` replaces an existing one."""
-    from lmpretrain.data.encoder import Encoder
-    from lmpretrain.data.sources import open_source
-    from lmpretrain.data.tokenizer import tokenizer_hash
-    from lmpretrain.progress import announce, bar
-
-    out = Path(os.path.expanduser(out))
-    if out.exists() and not overwrite:
-        raise DataError(f"{out} exists; choose another --out or pass --overwrite")
-    source = open_source(spec)
-    encoder = Encoder(tokenizer, add_bos)  # checks EOS/BOS before any work
-    dtype = token_dtype(len(tokenizer))
-    pieces = source.pieces(PREPARE_PIECES)
-    processes = max(1, min(processes or os.cpu_count() or 1, len(pieces)))
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    announce(
-        f"tokenizing {source.summary(PREPARE_PIECES)} into {out} with {processes} process{'es' * (processes > 1)}"
-    )
-    args = (spec, tokenizer, encoder.add_bos, dtype.str, str(tmp))
-    try:
-        shards: list[dict] = []
-        with bar(desc="tokenizing", unit="piece", total=len(pieces), enabled=progress) as shown:
-            if processes == 1:
-                _init_job(*args)
-                results = map(_write_piece, enumerate(pieces))
-                shards = _collect(results, shown)
-            else:
-                ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-                with ctx.Pool(processes, initializer=_init_job, initargs=args) as pool:
-                    shards = _collect(pool.imap(_write_piece, enumerate(pieces)), shown)
-        _job.clear()
-        for s in shards:
-            if not s["documents"]:  # nothing usable in that piece
-                os.remove(tmp / f"{s['name']}.bin")
-                os.remove(tmp / f"{s['name']}.idx")
-        shards = [s for s in shards if s["documents"]]
-        if not shards:
-            raise DataError(f"source {source.label}: no usable document to tokenize")
-        header = {
-            "version": VERSION,
-            "dtype": dtype.str,
-            "tokenizer": getattr(tokenizer, "name_or_path", ""),
-            "tokenizer_hash": tokenizer_hash(tokenizer),
-            "vocab_size": len(tokenizer),
-            "add_bos": encoder.add_bos,
-            "bos_id": encoder.bos_id,
-            "eos_id": encoder.eos_id,
-            "max_id": max(s["max_id"] for s in shards),
-            "source": source.label,
-            "tokens": sum(s["tokens"] for s in shards),
-            "documents": sum(s["documents"] for s in shards),
-            "skipped": sum(s["skipped"] for s in shards),
-            "shards": [{k: s[k] for k in ("name", "tokens", "documents")} for s in shards],
-        }
-        (tmp / HEADER).write_text(json.dumps(header, indent=2))
-        if out.exists():  # overwrite: the old folder goes only once the new one is complete
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-        return header
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _collect(results, shown) -> list[dict]:
-    shards, tokens = [], 0
-    for result in results:
-        shards.append(result)
-        tokens += result["tokens"]
-        shown.update(1)
-        shown.set_postfix(tokens=f"{tokens:,}", refresh=False)
-    return shards

@@ -86,7 +86,9 @@ def test_any_task_count_writes_the_same_bytes(tmp_path, small_tokenizer):
     rng = random.Random(3)
     for i in range(3):
         (tmp_path / "txt" / f"{i}.txt").parent.mkdir(exist_ok=True)
-        (tmp_path / "txt" / f"{i}.txt").write_text("\n\n".join(make_doc(f"{i}.{k}", rng) for k in range(60 * i + 5)))
+        (tmp_path / "txt" / f"{i}.txt").write_text(
+            "\n\n".join(make_doc(f"{i}.{k}", rng) for k in range(60 * i + 5))
+        )
     text = SourceSpec(files=[str(tmp_path / "txt")], separator="blank_lines")
     for spec, shards in ((SourceSpec(files=jsonl), 5), (text, 3)):
         got = []
@@ -100,6 +102,93 @@ def test_any_task_count_writes_the_same_bytes(tmp_path, small_tokenizer):
         assert len(header["shards"]) == shards and header["documents"] == (455 if shards == 5 else 195)
         stream = b"".join(got[0][f"{s['name']}.bin"] for s in header["shards"])
         assert len(stream) == 2 * header["tokens"]
+
+
+def test_pipelines_are_datatrove_readers_our_writer_and_a_dependent_final_task(tmp_path, small_tokenizer):
+    """What each executor gets (slurm and ray cannot run here: their pipelines are checked as built)."""
+    from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
+    from datatrove.pipeline.readers import JsonlReader, ParquetReader
+
+    from lmpretrain.data.prepare import FinishFolder, ShardWriter, SourceReader
+
+    jsonl = write_jsonl_shards(tmp_path / "j", [3, 4])
+    prep = plan_prepare(SourceSpec(files=jsonl), small_tokenizer, tmp_path / "out", tasks=8)
+    assert (prep.work / "files.txt").read_text().split() == ["shard-000.jsonl", "shard-001.jsonl"]
+    assert "read by datatrove's JsonlReader (one shard per file)" in prep.summary
+    cluster = dict(partition="cpu", time="2:00:00", cpus_per_task=2, mem_per_cpu_gb=4)
+    for kind, cls, kw in (
+        ("local", LocalPipelineExecutor, {}),
+        ("slurm", SlurmPipelineExecutor, cluster),
+        ("ray", RayPipelineExecutor, dict(cpus_per_task=2)),
+    ):
+        tokenize, finish = build_executors(prep, kind, 8, 4, **kw)
+        assert type(tokenize) is cls and type(finish) is cls and finish.depends is tokenize
+        assert (tokenize.world_size, tokenize.workers, finish.world_size) == (8, 4, 1)
+        assert [type(s) for s in tokenize.pipeline] == [JsonlReader, ShardWriter]
+        assert [type(s) for s in finish.pipeline] == [FinishFolder]
+        assert tokenize.logging_dir.path == str(prep.work / "logs" / "tokenize")
+        assert finish.pipeline[0].out == str(tmp_path / "out")
+    assert (tokenize.cpus_per_task, finish.cpus_per_task) == (2, 1)
+    slurm = build_executors(prep, "slurm", 8, 4, **cluster)[0]
+    assert (slurm.partition, slurm.time, slurm.mem_per_cpu_gb) == ("cpu", "2:00:00", 4)
+    # parquet goes to datatrove's ParquetReader; text files (which it has no reader for) to ours.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a b", "c d"]}), tmp_path / "p.parquet")
+    parquet = plan_prepare(SourceSpec(files=[str(tmp_path / "p.parquet")]), small_tokenizer, tmp_path / "o2")
+    assert type(parquet.reader) is ParquetReader
+    (tmp_path / "t.txt").write_text("some text\n")
+    text = plan_prepare(SourceSpec(files=[str(tmp_path / "t.txt")]), small_tokenizer, tmp_path / "o3")
+    assert type(text.reader) is SourceReader and "read by lmpretrain's readers" in text.summary
+
+
+def test_old_parquet_token_cache_gets_one_message_and_converts(tmp_path, small_tokenizer, capsys):
+    """The retired `format: tokens` parquet cache: refused when trained on, with the command that converts
+    it; that command writes the token files a prepare of the original text writes."""
+    import importlib.util
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lmpretrain.data.encoder import Encoder
+    from lmpretrain.data.tokenizer import tokenizer_hash
+
+    paths = write_jsonl_shards(tmp_path / "text", [6, 9], max_words=30)
+    old = tmp_path / "old-cache"
+    old.mkdir()
+    encoder = Encoder(small_tokenizer, add_bos=False)
+    for n, path in enumerate(paths):  # as data/prepare.py's pretokenize wrote it: ids without BOS/EOS
+        ids = encoder([json.loads(line)["text"] for line in open(path)])
+        rows = {"input_ids": [x.tolist() for x in ids] + [[]], "doc_start": [True] * (len(ids) + 1)}
+        rows["doc_end"] = rows["doc_start"]  # the empty row: a bad record, skipped
+        pq.write_table(pa.table(rows), old / f"tokens-{n:05d}-of-00002.parquet")
+    meta = {"tokenizer": "small", "tokenizer_hash": tokenizer_hash(small_tokenizer), "shards": 2}
+    (old / "tokens_meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError) as err:
+        make([SourceSpec(files=[str(old)], format="tokens")], small_tokenizer)
+    command = f"python scripts/prepare_data.py --files {old} --tokenizer <its tokenizer> --out {old}-tok"
+    assert "parquet token cache of an older lmpretrain" in str(err.value) and command in str(err.value)
+    spec = importlib.util.spec_from_file_location("prepare_data", PREPARE)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    small_tokenizer.save_pretrained(tmp_path / "tok")
+    argv = ["--files", str(old), "--tokenizer", str(tmp_path / "tok"), "--tasks", "2", "--workers", "1"]
+    assert script.main([*argv, "--out", f"{old}-tok"]) == 0
+    assert "the retired parquet token cache, 2 files, converted" in capsys.readouterr().out
+    write_token_files(SourceSpec(files=paths), small_tokenizer, tmp_path / "fresh")
+    converted, fresh = folder_bytes(Path(f"{old}-tok")), folder_bytes(tmp_path / "fresh")
+    assert {k: v for k, v in converted.items() if k != HEADER} == {
+        k: v for k, v in fresh.items() if k != HEADER
+    }
+    # Bad input to the script: one message, exit 2, nothing written.
+    capsys.readouterr()
+    assert (
+        script.main([*argv[2:], "--files", str(tmp_path / "none-*.jsonl"), "--out", str(tmp_path / "x")]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("error: data file or glob") and "matches nothing" in err and err.count("\n") == 1
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.prepare"))
 
 
 def test_permutation_is_a_bijection_that_changes_with_the_key():

@@ -33,7 +33,7 @@ from datatrove.pipeline.readers.base import BaseReader
 
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.readers import Bad, is_url
-from lmpretrain.data.sources import SourceSpec, as_spec, open_source
+from lmpretrain.data.sources import OLD_TOKENS_META, SourceSpec, as_spec, is_old_token_cache, open_source
 from lmpretrain.data.token_files import HEADER, VERSION, token_dtype
 from lmpretrain.errors import DataError
 
@@ -83,7 +83,7 @@ class _Shard:
 
     def add(self, doc: Document) -> None:
         meta = doc.metadata
-        if meta.get("bad") or not isinstance(doc.text, str):
+        if meta.get("bad") or not isinstance(doc.text, (str, list)):
             self.skipped += 1  # a bad record, or a field that is not text (datatrove's readers pass it on)
             return
         self.batch.append((doc.text, meta.get("bos", True), meta.get("eos", True)))
@@ -92,7 +92,12 @@ class _Shard:
             self.flush()
 
     def flush(self) -> None:
-        for ids, (_, bos, eos) in zip(self.encoder([t for t, _, _ in self.batch]), self.batch, strict=True):
+        encoded = iter(self.encoder([t for t, _, _ in self.batch if isinstance(t, str)]))
+        lists = [np.asarray(t, dtype=np.int64) for t, _, _ in self.batch if not isinstance(t, str)]
+        self.encoder.check(lists, "the old token cache")  # ids of the retired parquet cache, converted
+        lists = iter(lists)
+        for text, bos, eos in self.batch:
+            ids = next(encoded) if isinstance(text, str) else next(lists)
             if bos or not self.starts:
                 self.starts.append(self.written)
             framed = self.encoder.frame(ids, bos, eos)
@@ -220,6 +225,25 @@ def _root_and_relative(files: list[str]) -> tuple[str, list[str]]:
     return root, [f[len(root) :].lstrip("/") for f in files]
 
 
+def _old_cache_files(folder: str, tokenizer) -> list[str]:
+    """The shards of a retired parquet token cache, which must come from this tokenizer."""
+    from lmpretrain.data.tokenizer import tokenizer_hash
+
+    meta = json.loads((Path(os.path.expanduser(folder)) / OLD_TOKENS_META).read_text())
+    if meta.get("tokenizer_hash") != tokenizer_hash(tokenizer):
+        raise DataError(
+            f"{folder} was tokenized with {meta.get('tokenizer')!r} (hash {meta.get('tokenizer_hash')}), not "
+            "--tokenizer: give the tokenizer it was made with"
+        )
+    return sorted(str(p) for p in Path(os.path.expanduser(folder)).glob("tokens-*.parquet"))
+
+
+def _old_cache_row(self, data: dict, path: str, id_in_file: int) -> dict:
+    """A row of the retired cache: ids without BOS/EOS, and whether they start / end their document."""
+    meta = {"bos": bool(data["doc_start"]), "eos": bool(data["doc_end"])}
+    return {"text": data[self.text_key], "id": f"{path}/{id_in_file}", "metadata": meta}
+
+
 def plan_prepare(
     spec: SourceSpec | dict,
     tokenizer,
@@ -237,15 +261,20 @@ def plan_prepare(
     out = Path(os.path.expanduser(str(out))).absolute()
     if out.exists() and not overwrite:
         raise DataError(f"{out} exists; choose another --out or pass --overwrite")
-    source = open_source(spec)  # the one listing (and, for parquet, footer read) of the source
-    if source.format == "tokens":
-        raise DataError(f"source {spec.label} is token files already; train on it directly")
+    old = spec.files[0] if spec.files and len(spec.files) == 1 and is_old_token_cache(spec.files[0]) else None
+    if old is None:
+        source = open_source(spec)  # the one listing (and, for parquet, footer read) of the source
+        if source.format == "tokens":
+            raise DataError(f"source {spec.label} is token files already; train on it directly")
+        files, label = source.files, source.label
+    else:
+        files, label = _old_cache_files(old, tokenizer), spec.label
     encoder = Encoder(tokenizer, add_bos)  # checks EOS/BOS before any work
     work = out.parent / f".{out.name}.prepare"
-    digits = max(5, len(str(max(len(source.files), PREPARE_PIECES))))
+    digits = max(5, len(str(max(len(files), PREPARE_PIECES))))
     job = {
         "source": asdict(spec),
-        "listing": source.fingerprint()["expanded"],
+        "listing": files,
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "add_bos": encoder.add_bos,
         "tasks": tasks,
@@ -257,20 +286,24 @@ def plan_prepare(
     (work / "shards").mkdir(parents=True, exist_ok=True)
     job_file.write_text(json.dumps(job, indent=2))
     shards = str(work / "shards")
-    json_lines = source.format == "json" and not any(source.json_arrays)
-    if source.is_hub or not (json_lines or source.format == "parquet"):
+    json_lines = old is None and source.format == "json" and not any(source.json_arrays)
+    if old is None and (source.is_hub or not (json_lines or source.format == "parquet")):
         reader, files = SourceReader(spec), None
         summary = f"{source.summary(PREPARE_PIECES)}, read by lmpretrain's readers"
     else:
-        root, relative = _root_and_relative(source.files)
+        root, relative = _root_and_relative(files)
         (work / "files.txt").write_text("".join(f + "\n" for f in relative))
         paths = str(work / "files.txt")
-        if json_lines:
+        if old is not None:
+            reader = ParquetReader(root, paths_file=paths, text_key="input_ids", adapter=_old_cache_row)
+            summary = f"{old}: the retired parquet token cache, {len(files)} files, converted"
+        elif json_lines:
             reader = JsonlReader(root, paths_file=paths, text_key=source.field, compression="infer")
         else:
             reader = ParquetReader(root, paths_file=paths, text_key=source.field, read_metadata=False)
         files = [reader.data_folder.resolve_paths(f) for f in relative]
-        summary = f"{source.summary(1)}, read by datatrove's {type(reader).__name__} (one shard per file)"
+        if old is None:
+            summary = f"{source.summary(1)}, read by datatrove's {type(reader).__name__} (one shard per file)"
     header = {
         "version": VERSION,
         "dtype": token_dtype(len(tokenizer)).str,
@@ -280,7 +313,7 @@ def plan_prepare(
         "add_bos": encoder.add_bos,
         "bos_id": encoder.bos_id,
         "eos_id": encoder.eos_id,
-        "source": source.label,
+        "source": label,
     }
     writer = ShardWriter(shards, tokenizer, encoder.add_bos, files, digits)
     return Prepare(out, work, reader, writer, FinishFolder(shards, str(out), header), summary)

@@ -377,60 +377,39 @@ def read_json_array(path: str, at: list[int] | None, field: str) -> Iterator[Uni
 # ---- parquet ----------------------------------------------------------------------------------------------
 
 
-def read_parquet(
-    path: str, piece: Piece, at: list[int] | None, field: str, tokens: bool, flags: bool
-) -> Iterator[Unit | Bad]:
-    """Rows of row groups [start, end) from (row group, row): only that row group is read to reach the row.
-
-    `tokens`: the column holds token id lists; `flags`: it comes with doc_start/doc_end columns
-    (pre-tokenized text files, where a row may be part of a document).
-    """
+def read_parquet(path: str, piece: Piece, at: list[int] | None, field: str) -> Iterator[Unit | Bad]:
+    """Rows of row groups [start, end) from (row group, row): only that row group is read to reach the row."""
     import pyarrow.parquet as pq
 
     with open_seekable(path) as f:
-        yield from _read_parquet(pq.ParquetFile(f), path, piece, at, field, tokens, flags)
+        yield from _read_parquet(pq.ParquetFile(f), path, piece, at, field)
 
 
-def _read_parquet(pf, path: str, piece: Piece, at: list[int] | None, field: str, tokens: bool, flags: bool):
+def _read_parquet(pf, path: str, piece: Piece, at: list[int] | None, field: str):
     meta = pf.metadata
     group, row = at if at else (piece.start, 0)
     end = meta.num_row_groups if piece.end is None else piece.end
-    columns = [field, "doc_start", "doc_end"] if flags else [field]
     first_row = sum(meta.row_group(g).num_rows for g in range(group))  # row number in the file, for reports
     while group < end:
         n_rows = meta.row_group(group).num_rows
         seen = 0
         for batch in pf.iter_batches(
-            batch_size=_PARQUET_BATCH, row_groups=[group], columns=columns, use_threads=False
+            batch_size=_PARQUET_BATCH, row_groups=[group], columns=[field], use_threads=False
         ):
             lo = max(0, row - seen)
             seen += batch.num_rows
             if lo >= batch.num_rows:
                 continue  # rows before the position: decoded by pyarrow, never converted
-            values = _column_values(batch.column(0), lo, tokens)
-            starts = batch.column(1).to_pylist()[lo:] if flags else None
-            ends = batch.column(2).to_pylist()[lo:] if flags else None
+            values = batch.column(0).slice(lo).to_pylist()
             for k, value in enumerate(values):
                 r = seen - batch.num_rows + lo + k + 1  # rows of this group done after this one
                 after = [group + 1, 0] if r == n_rows else [group, r]
-                if value is None or len(value) == 0 or (not tokens and not isinstance(value, str)):
-                    why = "empty token list" if tokens else f"field {field!r} is null or empty"
-                    yield Bad(path, None, first_row + r - 1, why, after)
+                if not value or not isinstance(value, str):
+                    yield Bad(path, None, first_row + r - 1, f"field {field!r} is null or empty", after)
                     continue
-                bos, eos = (bool(starts[k]), bool(ends[k])) if flags else (True, True)
-                yield Unit(value, bos, eos, eos or after[0] == end, after)
+                yield Unit(value, True, True, True, after)
         first_row += n_rows
         group, row = group + 1, 0
-
-
-def _column_values(column, lo: int, tokens: bool) -> list:
-    if not tokens:
-        return column.slice(lo).to_pylist()
-    column = column.slice(lo)
-    offsets = column.offsets.to_numpy()
-    flat = column.values.to_numpy(zero_copy_only=False)
-    valid = column.is_valid().to_numpy(zero_copy_only=False)
-    return [flat[offsets[k] : offsets[k + 1]] if valid[k] else None for k in range(len(column))]
 
 
 # ---- 🤗 datasets streams (Hub) ------------------------------------------------------------------------------

@@ -28,8 +28,7 @@ from lmpretrain.data.readers import Piece
 from lmpretrain.data.token_files import TokenFiles, is_token_folder
 from lmpretrain.errors import DataError
 
-TOKENS_FIELD = "input_ids"  # column of pre-tokenized parquet shards (scripts/prepare_data.py)
-TOKENS_META = "tokens_meta.json"
+OLD_TOKENS_META = "tokens_meta.json"  # marks a parquet token cache of lmpretrain <= 0.x (retired)
 MIN_PIECE_BYTES = 1 << 16  # files are not cut into pieces smaller than this
 _HUB_COMMIT = re.compile(r"^(hf://datasets/[^/]+/[^/@]+)@[^/]+/")  # hf://datasets/org/name@commit/...
 _EXT_FORMATS = {
@@ -67,9 +66,7 @@ def expand_files(patterns: list[str]) -> list[str]:
         for match in matches:
             if os.path.isdir(match):
                 inside = sorted(
-                    str(p)
-                    for p in Path(match).rglob("*")
-                    if p.is_file() and not p.name.startswith(".") and p.name != TOKENS_META
+                    str(p) for p in Path(match).rglob("*") if p.is_file() and not p.name.startswith(".")
                 )
                 if not inside:
                     raise DataError(f"data folder {match!r} contains no files")
@@ -109,17 +106,16 @@ class Source:
         token_files: TokenFiles | None = None,
     ):
         self.spec, self.format, self.dataset = spec, fmt, dataset
-        self.token_files = token_files  # token-file folders (data/token_files.py); else parquet token shards
+        self.token_files = token_files  # token-file folders (data/token_files.py)
         if token_files is not None:
             files = token_files.files()
         self.files = files or []
         self.sizes = [_file_size(f) for f in self.files]
         self.tokens = fmt == "tokens"
-        self.field = TOKENS_FIELD if self.tokens else spec.text_field
+        self.field = spec.text_field
         self.json_arrays = [
             fmt == "json" and f.endswith(".json") and readers.is_json_array(f) for f in self.files
         ]
-        self.has_flags = self.tokens  # pre-tokenized text files carry doc_start/doc_end columns (all of them)
         self._row_group_bytes: list[list[int]] = []
         self._pieces: dict[int, list[Piece]] = {}
 
@@ -160,7 +156,7 @@ class Source:
             if k == 1 or not self.splittable(f):
                 pieces.append(Piece(f))
                 continue
-            if self.format in ("parquet", "tokens"):
+            if self.format == "parquet":
                 bounds = self._row_group_bounds(f, k)
             else:
                 line_records = self.format == "json"
@@ -192,8 +188,8 @@ class Source:
         if self.token_files is not None:
             return self.token_files.units(piece, at)
         path = self.files[piece.file]
-        if self.format in ("parquet", "tokens"):
-            return readers.read_parquet(path, piece, at, self.field, self.tokens, self.has_flags)
+        if self.format == "parquet":
+            return readers.read_parquet(path, piece, at, self.field)
         if self.format == "json":
             if self.json_arrays[piece.file]:
                 return readers.read_json_array(path, at, self.field)
@@ -208,7 +204,7 @@ class Source:
             return path
         if self.token_files is not None:
             return f"{path} (documents {piece.start}-{piece.end})"
-        unit = "row groups" if self.format in ("parquet", "tokens") else "bytes"
+        unit = "row groups" if self.format == "parquet" else "bytes"
         return f"{path} ({unit} {piece.start}-{piece.end})"
 
     def summary(self, num_streams: int) -> str:
@@ -218,16 +214,19 @@ class Source:
                 f"{self.label}: 🤗 datasets stream (no parquet files), {self.dataset.n_shards} shards (a "
                 "restore re-streams its shard up to the position)"
             )
-        kind = {
-            "text": {None: "one document per file", BLANK_LINES: "documents separated by blank lines"}.get(
-                self.spec.separator, f"documents separated by {self.spec.separator!r}"
-            ),
-            "json": f"JSON records, field {self.field!r}",
-            "parquet": f"parquet, column {self.field!r}",
-            "tokens": "pre-tokenized parquet"
-            if self.token_files is None
-            else f"token files, {self.token_files.tokens:,} tokens in {self.token_files.documents:,} documents",
-        }[self.format]
+        if self.token_files is not None:
+            kind = (
+                f"token files, {self.token_files.tokens:,} tokens in {self.token_files.documents:,} documents"
+            )
+        else:
+            kind = {
+                "text": {
+                    None: "one document per file",
+                    BLANK_LINES: "documents separated by blank lines",
+                }.get(self.spec.separator, f"documents separated by {self.spec.separator!r}"),
+                "json": f"JSON records, field {self.field!r}",
+                "parquet": f"parquet, column {self.field!r}",
+            }[self.format]
         n = len(self.files)
         where = (
             " on the Hub, read by row group (a restore seeks to its row group)" if self.hub_parquet else ""
@@ -261,7 +260,7 @@ def open_source(spec: SourceSpec | dict) -> Source:
         if spec.name not in BUILTIN_DATASETS:
             raise DataError(f"unknown builtin dataset {spec.name!r}; available: {sorted(BUILTIN_DATASETS)}")
         files, fmt = BUILTIN_DATASETS[spec.name](spec.split), "json"
-    elif spec.format in ("tokens", None) and any(map(is_token_folder, spec.files or [])):
+    elif spec.format == "tokens" or any(map(is_token_folder, spec.files or [])):
         return _open_token_files(spec)
     else:
         files = expand_files(spec.files)
@@ -271,7 +270,7 @@ def open_source(spec: SourceSpec | dict) -> Source:
     source = Source(spec, fmt, files)
     if not sum(source.sizes):
         raise DataError(f"source {spec.label}: empty corpus, all {len(files)} file(s) are empty")
-    if fmt in ("parquet", "tokens"):
+    if fmt == "parquet":
         _check_parquet(source)
     elif fmt == "json":
         _check_json_field(source)
@@ -289,7 +288,19 @@ def _file_size(path: str) -> int:
 
 def _open_token_files(spec: SourceSpec) -> Source:
     """A source over token-file folders (scripts/prepare_data.py); every path must be one."""
+    for f in spec.files:
+        if is_old_token_cache(f):
+            raise DataError(
+                f"{f} is a parquet token cache of an older lmpretrain ({OLD_TOKENS_META}), no longer read; "
+                f"convert it into token files with: python scripts/prepare_data.py --files {f} --tokenizer "
+                f"<its tokenizer> --out {f.rstrip('/')}-tok (then train on that folder)"
+            )
     others = [f for f in spec.files if not is_token_folder(f)]
+    if len(others) == len(spec.files):
+        raise DataError(
+            f"source {spec.label}: format tokens, but {others} hold no tokens.json: not token files (write "
+            "them with scripts/prepare_data.py)"
+        )
     if others:
         raise DataError(
             f"source {spec.label}: {others} are not token-file folders (no tokens.json) while the other paths "
@@ -360,14 +371,8 @@ def _check_parquet(source: Source) -> None:
         if source.field not in schema.names:
             raise _no_field(source, path, schema.names)
         kind = schema.field(source.field).type
-        if source.tokens:
-            ok = pa.types.is_list(kind) or pa.types.is_large_list(kind)
-            source.has_flags &= "doc_start" in schema.names and "doc_end" in schema.names
-        else:
-            ok = pa.types.is_string(kind) or pa.types.is_large_string(kind)
-        if not ok:
-            want = "a list of token ids" if source.tokens else "strings"
-            raise DataError(f"{path}: column {source.field!r} holds {kind}, not {want}; set `text_field`")
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise DataError(f"{path}: column {source.field!r} holds {kind}, not strings; set `text_field`")
         source._row_group_bytes.append(
             [max(1, meta.row_group(g).total_byte_size) for g in range(meta.num_row_groups)]
         )
@@ -391,16 +396,13 @@ def _check_json_field(source: Source) -> None:
                     return
 
 
-def read_tokens_meta(source: Source) -> dict | None:
-    """Metadata written next to pre-tokenized shards (tokenizer hash), if any."""
-    if not source.files:
-        return None
-    meta = Path(source.files[0]).parent / TOKENS_META
-    return json.loads(meta.read_text()) if meta.exists() else None
+def is_old_token_cache(path: str) -> bool:
+    """A folder of the retired parquet token cache (tokens-*.parquet + tokens_meta.json)."""
+    return (Path(os.path.expanduser(path)) / OLD_TOKENS_META).is_file()
 
 
 def open_sources(specs: list[SourceSpec | dict], tokenizer) -> list[Source]:
-    """Open every source; pre-tokenized ones must come from this tokenizer."""
+    """Open every source; token files must come from this tokenizer."""
     if not specs:
         raise DataError("no data sources given (data.train or data.eval is empty)")
     opened = [open_source(s) for s in specs]
@@ -409,14 +411,4 @@ def open_sources(specs: list[SourceSpec | dict], tokenizer) -> list[Source]:
             from lmpretrain.data.token_files import check_tokenizer
 
             check_tokenizer(src.token_files, tokenizer, src.label)
-            continue
-        meta = read_tokens_meta(src) if src.tokens else None
-        if meta is not None:
-            from lmpretrain.data.tokenizer import tokenizer_hash
-
-            if meta.get("tokenizer_hash") != tokenizer_hash(tokenizer):
-                raise DataError(
-                    f"source {src.label} was pre-tokenized with another tokenizer "
-                    f"({meta.get('tokenizer')!r}); re-run scripts/prepare_data.py with this one"
-                )
     return opened

@@ -1,5 +1,5 @@
 # Two commands on a fresh machine with Python >= 3.10 and pip:
-#   make pretrain   set up .venv, build the default corpus + tokenizer, train configs/default.yaml offline
+#   make pretrain   set up .venv, build the default corpus + tokenizer + token files, train configs/default.yaml offline
 #   make test       set up .venv, run the test suite (make test-fast: unit tests only)
 PYTHON ?= python3
 VENV := .venv
@@ -18,7 +18,8 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-# Offline: the default corpus (Python's standard library source) and tokenizer are built locally.
+# Offline: the default corpus (Python's standard library source), its tokenizer and its token files
+# (datatrove pipeline, data/prepare.py) are built locally on first use and cached in ~/.cache/lmpretrain.
 # `python -m lmpretrain.launch` = `accelerate launch`, except that a user error ends on its message (exit 2).
 pretrain: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m lmpretrain.launch --config_file configs/accelerate/cpu.yaml \

@@ -181,5 +181,26 @@ def stdlib_split_files(split: str) -> list[str]:
     return [str(p) for p in sorted(ensure_stdlib_corpus().glob(f"{split}-*.jsonl"))]
 
 
-# Builtin datasets by name: split name -> list of JSONL files ({"text": ...}), built on first use.
+def stdlib_token_folder(split: str) -> str:
+    """The token-file folder of one split of the default corpus with the builtin tokenizer (what
+    `{name: python-stdlib, format: tokens}` reads), prepared once into the cache on first use."""
+    from lmpretrain.data.prepare import write_token_files
+    from lmpretrain.data.tokenizer import BUILTIN_PREFIX, load_tokenizer, tokenizer_hash
+
+    stdlib_split_files(split)  # checks the split name; builds the corpus on first use
+    tokenizer = load_tokenizer(f"{BUILTIN_PREFIX}python-stdlib")
+    name = f"python-stdlib-{python_tag()}-v{CORPUS_VERSION}-tokens-{tokenizer_hash(tokenizer)}"
+
+    def build(tmp: Path) -> None:
+        announce(f"preparing the python-stdlib corpus into token files (once; cached in {cache_root()})")
+        for part in ("train", "validation"):
+            spec = {"name": "python-stdlib", "split": part}
+            write_token_files(spec, tokenizer, tmp / part, tasks=os.cpu_count() or 1)
+
+    return str(build_once(cache_root() / name, build) / split)
+
+
+# Builtin datasets by name: split name -> list of JSONL files ({"text": ...}), built on first use; and
+# split name -> its token-file folder (`format: tokens`).
 BUILTIN_DATASETS: dict[str, Callable[[str], list[str]]] = {"python-stdlib": stdlib_split_files}
+BUILTIN_TOKEN_FILES: dict[str, Callable[[str], str]] = {"python-stdlib": stdlib_token_folder}

@@ -255,10 +255,14 @@ def open_source(spec: SourceSpec | dict) -> Source:
     if spec.hub:
         return _open_hub(spec)
     if spec.name:
-        from lmpretrain.data.corpus import BUILTIN_DATASETS
+        from lmpretrain.data.corpus import BUILTIN_DATASETS, BUILTIN_TOKEN_FILES
 
         if spec.name not in BUILTIN_DATASETS:
             raise DataError(f"unknown builtin dataset {spec.name!r}; available: {sorted(BUILTIN_DATASETS)}")
+        if spec.format == "tokens":  # its token files, prepared once with the builtin tokenizer
+            return Source(
+                spec, "tokens", token_files=TokenFiles([BUILTIN_TOKEN_FILES[spec.name](spec.split)])
+            )
         files, fmt = BUILTIN_DATASETS[spec.name](spec.split), "json"
     elif spec.format == "tokens" or any(map(is_token_folder, spec.files or [])):
         return _open_token_files(spec)

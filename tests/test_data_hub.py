@@ -3,12 +3,17 @@ listing (🤗 datasets' config/split resolution) and readers as a Hub id does.""
 
 from __future__ import annotations
 
+import os
 import random
+from collections import Counter
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from conftest import make_doc, write_jsonl_shards
 from data_helpers import doc_tags, make, steps, stream_tokens
+from fsspec.implementations.local import LocalFileSystem
 from test_data_files import _restore_reads
 
 from lmpretrain.data import SourceSpec, open_source
@@ -91,3 +96,96 @@ def test_a_hub_dataset_without_parquet_files_stays_a_datasets_stream(tmp_path, s
         for t in doc_tags(tokens, small_tokenizer)
     }
     assert tags == {f"train{i}.{k}" for i, n in enumerate([30, 20]) for k in range(n)}
+
+
+# ---- one listing per job ------------------------------------------------------------------------------------
+
+
+class CountingFS(LocalFileSystem):
+    """The local filesystem under `count://`, logging every request (info, ls, open) to $COUNT_LOG with its pid."""
+
+    protocol = "count"
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, str) and path.startswith("count://"):
+            path = path[len("count://") :]
+        return super()._strip_protocol(path)
+
+    def _log(self, what):
+        with open(os.environ["COUNT_LOG"], "a") as f:
+            f.write(f"{os.getpid()} {what}\n")
+
+    def info(self, path, **kw):
+        self._log("info")
+        return super().info(path, **kw)
+
+    def ls(self, path, detail=False, **kw):
+        self._log("ls")
+        return super().ls(path, detail=detail, **kw)
+
+    def _open(self, path, mode="rb", **kw):
+        self._log("open")
+        return super()._open(path, mode, **kw)
+
+
+def counting_repo(root, n_files: int) -> str:
+    """A Hub-style repository whose config points at its parquet files through the counting filesystem."""
+    hub_repo(root, n_files=n_files, rows=40)
+    (root / "README.md").write_text(
+        README.replace("path: data/train-*", f"path: count://{root}/data/train-*")
+    )
+    fsspec.register_implementation("count", CountingFS, clobber=True)
+    return str(root)
+
+
+def requests(log) -> Counter:
+    return Counter(line.split()[0] for line in open(log)) if os.path.exists(log) else Counter()
+
+
+def _open_on_rank(rank: int, repo: str, log: str, init: str) -> None:
+    import torch.distributed as dist
+
+    fsspec.register_implementation("count", CountingFS, clobber=True)
+    os.environ["COUNT_LOG"] = log
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        source = open_source(SourceSpec(hub=repo))
+        with open(f"{log}.{rank}", "w") as f:  # what each rank holds: the same listing
+            f.write(repr((source.files, source.sizes, source._row_group_bytes)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_hub_listing_and_footers_are_read_once_per_job(tmp_path, monkeypatch, small_tokenizer):
+    """2 ranks make the requests 1 rank makes (all on rank 0), and a prepare's requests do not grow with its
+    tasks: O(files), not O(ranks x files)."""
+    import torch.multiprocessing as mp
+
+    from lmpretrain.data.prepare import write_token_files
+
+    repo = counting_repo(tmp_path / "repo", n_files=4)
+    log = str(tmp_path / "one.log")
+    monkeypatch.setenv("COUNT_LOG", log)
+    one = open_source(SourceSpec(hub=repo))
+    alone = sum(requests(log).values())
+    assert len(one.files) == 4 and one.files[0].startswith("count://") and alone >= 8
+    two = str(tmp_path / "two.log")
+    mp.spawn(_open_on_rank, args=(repo, two, f"file://{tmp_path / 'rdv'}"), nprocs=2)
+    per_process = requests(two)
+    assert sum(per_process.values()) == alone and len(per_process) == 1  # rank 0 alone, as many as 1 rank
+    assert (
+        open(f"{two}.0").read()
+        == open(f"{two}.1").read()
+        == repr((one.files, one.sizes, one._row_group_bytes))
+    )
+    counts = []
+    for tasks in (1, 3):
+        log = str(tmp_path / f"prepare-{tasks}.log")
+        monkeypatch.setenv("COUNT_LOG", log)
+        write_token_files(
+            SourceSpec(hub=repo), small_tokenizer, tmp_path / f"tok-{tasks}", tasks=tasks, workers=1
+        )
+        counts.append(sum(requests(log).values()))
+    assert counts[0] == counts[1] <= alone + 3 * 4, counts  # the listing, then each file read by one task

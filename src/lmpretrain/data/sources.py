@@ -104,13 +104,14 @@ class Source:
         files: list[str] | None = None,
         dataset: Any = None,
         token_files: TokenFiles | None = None,
+        sizes: list[int] | None = None,
     ):
         self.spec, self.format, self.dataset = spec, fmt, dataset
         self.token_files = token_files  # token-file folders (data/token_files.py)
         if token_files is not None:
             files = token_files.files()
         self.files = files or []
-        self.sizes = [_file_size(f) for f in self.files]
+        self.sizes = sizes if sizes is not None else [_file_size(f) for f in self.files]
         self.tokens = fmt == "tokens"
         self.field = spec.text_field
         self.json_arrays = [
@@ -322,24 +323,68 @@ def _open_hub(spec: SourceSpec) -> Source:
     from lmpretrain.progress import announce
 
     announce(f"opening Hub dataset {spec.hub} (resolving its files over the network)")
+    listing = _on_rank_zero(lambda: _list_hub_parquet(spec))
+    if listing is not None:
+        source = Source(spec, "parquet", listing["files"], sizes=listing["sizes"])
+        source._row_group_bytes = listing["row_groups"]
+        return source
     try:
-        # The same resolution of config and split to files as load_dataset's, listed once.
-        builder = load_dataset_builder(spec.hub, spec.hub_config)
-        files = (builder.config.data_files or {}).get(spec.split)
-        if builder.name == "parquet" and files:
-            source = Source(spec, "parquet", list(files))
-            _check_parquet(source)
-            return source
-        ds = builder.as_streaming_dataset(split=spec.split)
+        ds = load_dataset_builder(spec.hub, spec.hub_config).as_streaming_dataset(split=spec.split)
     except DataError:
         raise
     except Exception as e:
-        raise DataError(
-            f"could not open Hub dataset {spec.hub!r} (config {spec.hub_config!r}, split "
-            f"{spec.split!r}): {type(e).__name__}: {e}. Check the id and the network, or use "
-            "local `files`"
-        ) from e
+        raise _hub_error(spec, e) from e
     return datasets_source(spec, ds)
+
+
+def _hub_error(spec: SourceSpec, e: Exception) -> DataError:
+    return DataError(
+        f"could not open Hub dataset {spec.hub!r} (config {spec.hub_config!r}, split {spec.split!r}): "
+        f"{type(e).__name__}: {e}. Check the id and the network, or use local `files`"
+    )
+
+
+def _list_hub_parquet(spec: SourceSpec) -> dict | None:
+    """A Hub dataset's parquet files of the split, their sizes and row-group sizes (footers read); None when
+    it has none (a 🤗 datasets stream)."""
+    from datasets import load_dataset_builder
+
+    try:
+        # The same resolution of config and split to files as load_dataset's.
+        builder = load_dataset_builder(spec.hub, spec.hub_config)
+        files = (builder.config.data_files or {}).get(spec.split)
+        if builder.name != "parquet" or not files:
+            return None
+        source = Source(spec, "parquet", list(files))
+        _check_parquet(source)
+    except DataError:
+        raise
+    except Exception as e:
+        raise _hub_error(spec, e) from e
+    return {"files": source.files, "sizes": source.sizes, "row_groups": source._row_group_bytes}
+
+
+def _on_rank_zero(fn):
+    """fn() run by rank 0 alone and its result (or its error) given to every rank of the job, so a listing
+    costs O(files) requests, not O(ranks x files). Outside a distributed job (a prepare task), just fn()."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn()
+    box: list = [None]
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # the other ranks must not wait for a result that never comes
+            error, box[0] = e, ("error", str(e))
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    kind, value = box[0]
+    if kind == "error":
+        raise DataError(value)
+    return value
 
 
 def datasets_source(spec: SourceSpec, dataset) -> Source:

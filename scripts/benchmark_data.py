@@ -2,7 +2,7 @@
 
     python scripts/benchmark_data.py                       # everything below (each in its own subprocess)
     python scripts/benchmark_data.py big-restore rss       # some of it: throughput restore big-restore rss mixing
-                                                           #   tokens tokens-rss
+                                                           #   tokens tokens-rss prepare
     python scripts/benchmark_data.py mixing --rows rows.npy --corpus DIR --tokenizer DIR   # rows saved elsewhere
 
 * throughput: tokens/s of the default corpus' stream (seq_len 256, 8 streams, 16 blocks per step), 0 and 2 workers.
@@ -18,6 +18,9 @@
   written to the workdir by scripts/prepare_data.py if absent.
 * tokens-rss: peak RSS of the loader alone over those token files (global shuffle, --token-rss-steps steps)
   and over the same shards listed 10 times (a 10x corpus): flat in corpus size.
+* prepare:    tokens/s of scripts/prepare_data.py (the datatrove pipeline) on --prepare-shards train shards of
+  the default corpus with 1 and 2 tasks; with --baseline CHECKOUT, that checkout's writer with --processes 1
+  and 2 too, one after the other in this command (e.g. --baseline /path/to/an/older/lmpretrain).
 * mixing:     the mixing statistics of the default recipe's first --mixing-steps steps. Each block's source
   files are found by matching its complete lines (>= 40 characters, unique in the corpus) to the file they
   occur in; then: distinct files per step, and the drift of the data with training: the Spearman correlation
@@ -215,6 +218,23 @@ def repeated_token_files(folder: Path, times: int, out: Path) -> Path:
     return out
 
 
+def prepare_rate(checkout: Path, corpus: Path, out: Path, parallel: list[str]) -> dict:
+    """Tokens/s of `checkout`'s scripts/prepare_data.py on `corpus` (wall time of the whole command)."""
+    import shutil
+
+    from lmpretrain.data.token_files import HEADER
+
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, str(checkout / "scripts" / "prepare_data.py"), "--files", str(corpus)]
+    cmd += ["--tokenizer", "builtin:python-stdlib", "--out", str(out), *parallel]
+    env = {**os.environ, "PYTHONPATH": str(checkout / "src"), "CI": "true", "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    seconds = time.perf_counter() - start
+    tokens = json.loads((out / HEADER).read_text())["tokens"]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
 def child_loader_rss(path: str, steps: int) -> dict:
     ts = _stream([{"files": [path]}])
     it = iter(ts)
@@ -396,6 +416,10 @@ def main() -> None:
     parser.add_argument("--mixing-steps", type=int, default=200)
     parser.add_argument("--token-steps", type=int, default=2000, help="tokens: steps timed on token files")
     parser.add_argument("--token-rss-steps", type=int, default=5000)
+    parser.add_argument("--prepare-shards", type=int, default=8, help="prepare: train shards of the corpus")
+    parser.add_argument(
+        "--baseline", help="prepare: also time this checkout's writer (one before datatrove: --processes)"
+    )
     parser.add_argument(
         "--rows", help="mixing: a .npy [steps, blocks, seq_len] of rows saved by another version"
     )
@@ -477,6 +501,30 @@ def main() -> None:
                 f"{args.token_rss_steps} steps of {BLOCKS} x {SEQ_LEN} tokens, global shuffle: {r['peak_rss_mb']:,.0f} MB"
             )
         print(f"10x corpus / 1x corpus peak RSS: {peaks[1] / peaks[0]:.3f}")
+    if "prepare" in args.what:
+        import shutil
+
+        from lmpretrain.data.corpus import stdlib_split_files
+
+        corpus = work / "prepare-corpus"
+        corpus.mkdir(exist_ok=True)
+        for f in stdlib_split_files("train")[: args.prepare_shards]:
+            shutil.copyfile(f, corpus / Path(f).name)
+        runs = [(ROOT, "datatrove", n, ["--tasks", str(n), "--workers", str(n)]) for n in (1, 2)]
+        if args.baseline:
+            runs += [(Path(args.baseline), "baseline", n, ["--processes", str(n)]) for n in (1, 2)]
+        rates = {}
+        for checkout, name, n, flags in sorted(runs, key=lambda r: r[2]):
+            r = prepare_rate(checkout, corpus, work / f"prepare-{name}-{n}", flags)
+            rates[name, n] = r["tokens_per_s"]
+            print(
+                f"prepare, {name} ({checkout}), {n} process{'es' * (n > 1)}: {r['tokens']:,} tokens in "
+                f"{r['seconds']:.1f}s = {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s'] / n:,.0f} per process)"
+            )
+        for n in (1, 2) if args.baseline else ():
+            print(
+                f"datatrove / baseline, {n} process{'es' * (n > 1)}: {rates['datatrove', n] / rates['baseline', n]:.2f}"
+            )
     if "mixing" in args.what:
         if args.rows:
             import numpy as np

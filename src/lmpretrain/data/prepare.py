@@ -328,8 +328,9 @@ def build_executors(prep: Prepare, executor: str = "local", tasks: int = 1, work
     if executor == "local":
         from datatrove.executor import LocalPipelineExecutor
 
+        # fork: tasks start with the launcher's imports (datatrove's default, forkserver, re-imports per task)
         tokenize = LocalPipelineExecutor(
-            pipeline, tasks=tasks, workers=workers, logging_dir=str(logs / "tokenize")
+            pipeline, tasks=tasks, workers=workers, logging_dir=str(logs / "tokenize"), start_method="fork"
         )
         finish = LocalPipelineExecutor([prep.finish], logging_dir=str(logs / "finish"), depends=tokenize)
     elif executor == "slurm":

@@ -235,7 +235,10 @@ def _old_cache_files(folder: str, tokenizer) -> list[str]:
             f"{folder} was tokenized with {meta.get('tokenizer')!r} (hash {meta.get('tokenizer_hash')}), not "
             "--tokenizer: give the tokenizer it was made with"
         )
-    return sorted(str(p) for p in Path(os.path.expanduser(folder)).glob("tokens-*.parquet"))
+    files = sorted(str(p) for p in Path(os.path.expanduser(folder)).glob("tokens-*.parquet"))
+    if not files:
+        raise DataError(f"{folder}: {OLD_TOKENS_META} but no tokens-*.parquet files; prepare from the text")
+    return files
 
 
 def _old_cache_row(self, data: dict, path: str, id_in_file: int) -> dict:
@@ -271,7 +274,6 @@ def plan_prepare(
         files, label = _old_cache_files(old, tokenizer), spec.label
     encoder = Encoder(tokenizer, add_bos)  # checks EOS/BOS before any work
     work = out.parent / f".{out.name}.prepare"
-    digits = max(5, len(str(max(len(files), PREPARE_PIECES))))
     job = {
         "source": asdict(spec),
         "listing": files,
@@ -288,12 +290,12 @@ def plan_prepare(
     shards = str(work / "shards")
     json_lines = old is None and source.format == "json" and not any(source.json_arrays)
     if old is None and (source.is_hub or not (json_lines or source.format == "parquet")):
-        reader, files = SourceReader(spec), None
+        reader, pieces, files = SourceReader(spec), len(source.pieces(PREPARE_PIECES)), None
         summary = f"{source.summary(PREPARE_PIECES)}, read by lmpretrain's readers"
     else:
         root, relative = _root_and_relative(files)
         (work / "files.txt").write_text("".join(f + "\n" for f in relative))
-        paths = str(work / "files.txt")
+        paths, pieces = str(work / "files.txt"), len(files)
         if old is not None:
             reader = ParquetReader(root, paths_file=paths, text_key="input_ids", adapter=_old_cache_row)
             summary = f"{old}: the retired parquet token cache, {len(files)} files, converted"
@@ -315,6 +317,7 @@ def plan_prepare(
         "eos_id": encoder.eos_id,
         "source": label,
     }
+    digits = max(5, len(str(pieces - 1)))  # shard names sort in piece order
     writer = ShardWriter(shards, tokenizer, encoder.add_bos, files, digits)
     return Prepare(out, work, reader, writer, FinishFolder(shards, str(out), header), summary)
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from lmpretrain.data.cursor import TAG_BLOCKS, TAG_DOCS, TAG_MIX, SourceCursor, rng
 from lmpretrain.data.encoder import Encoder
-from lmpretrain.data.readers import Unit, as_tokens
+from lmpretrain.data.readers import Unit
 from lmpretrain.data.sources import Source
 from lmpretrain.errors import DataError
 
@@ -58,8 +58,8 @@ def frame_units(encoder: Encoder, picked: list[tuple[Source, Unit]]) -> list[np.
     out = []
     for src, u in picked:
         if src.tokens:
-            ids = as_tokens(u.value)
-            encoder.check([ids], f"pre-tokenized source {src.label}")
+            ids = u.value  # token files: an int array
+            encoder.check([ids], f"token-file source {src.label}")
         else:
             ids = next(encoded)
         out.append(encoder.frame(ids, u.bos, u.eos))

@@ -18,8 +18,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from lmpretrain.config import BLANK_LINES
 from lmpretrain.errors import DataError
 
@@ -33,7 +31,7 @@ class Unit(NamedTuple):
     """A document or part of one. `after` is the position right after it. `last`: it ends a segment (its
     document, or the piece's part of one), so another source or document may follow it in the stream."""
 
-    value: Any  # str, or a numpy int array for pre-tokenized sources
+    value: Any  # str, or a numpy int array for token files
     bos: bool  # starts a document
     eos: bool  # ends a document
     last: bool  # ends a segment: a document, or the piece's part of one
@@ -450,6 +448,3 @@ def read_datasets_shard(dataset, n_shards: int, shard: int, at: list[int] | None
             f"{where}: not valid UTF-8 ({e}); convert it to UTF-8 or remove it from the source"
         ) from e
 
-
-def as_tokens(value) -> np.ndarray:
-    return value if isinstance(value, np.ndarray) else np.asarray(value, dtype=np.int64)

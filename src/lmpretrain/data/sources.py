@@ -3,7 +3,7 @@
 Local files are read by our own small readers (data/readers.py): text and JSON Lines by byte offset,
 parquet by row group, so any position is reached without re-reading what lies before it. A Hub dataset
 whose config and split are parquet files (as 🤗 `datasets` resolves them: the repository's `configs:` or its
-`data/<split>-*` layout, listed once, pinned to a commit) is read the same way, by row group through
+`data/<split>-*` layout, listed once per job by rank 0, pinned to a commit) is read the same way, by row group through
 `hf://` paths; other Hub datasets stay 🤗 `datasets` streams (one piece per shard, restored by `skip()`). A source is divided into pieces for `num_streams` streams:
 every file is one piece, except that a file holding more than 1/num_streams of the source's bytes is cut
 into byte ranges (row-group runs for parquet) at record or document starts, so one big file feeds every

@@ -447,4 +447,3 @@ def read_datasets_shard(dataset, n_shards: int, shard: int, at: list[int] | None
         raise DataError(
             f"{where}: not valid UTF-8 ({e}); convert it to UTF-8 or remove it from the source"
         ) from e
-

@@ -8,7 +8,8 @@ global batch; `train_step` runs forward (autocast) and backward of each of the g
 micro-batches on the objective's terms normalised by the number of target tokens in the whole global
 batch (gradients sync on the last micro-batch), then unscales, clips and steps, unless the guard skips the
 update (a loss or gradient norm that is not finite, fp16 overflows included, or a loss spike with
-train.skip_spikes; the schedule then waits); then log, evaluate every eval.every steps, checkpoint every
+train.skip_spikes; the schedule then waits); with train.ema_decay the weights are folded into their moving
+average; then log, evaluate every eval.every steps (the average too), checkpoint every
 checkpoint.every steps or when asked to stop. Under DeepSpeed the engine unscales, clips and steps inside
 the last micro-batch's backward; the loop reads the same.
 """

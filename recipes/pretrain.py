@@ -8,7 +8,8 @@ global batch; `train_step` runs forward (autocast) and backward of each of the g
 micro-batches on the objective's terms normalised by the number of target tokens in the whole global
 batch (gradients sync on the last micro-batch), then unscales, clips and steps, unless the guard skips the
 update (a loss or gradient norm that is not finite, fp16 overflows included, or a loss spike with
-train.skip_spikes; the schedule then waits); then log, evaluate every eval.every steps, checkpoint every
+train.skip_spikes; the schedule then waits); with train.ema_decay the weights are folded into their moving
+average; then log, evaluate every eval.every steps (the average too), checkpoint every
 checkpoint.every steps or when asked to stop. Under DeepSpeed the engine unscales, clips and steps inside
 the last micro-batch's backward; the loop reads the same.
 """
@@ -24,6 +25,7 @@ import torch
 from lmpretrain.checkpoint import Checkpointer, PerRank, check_output_dir_writable, export_pretrained
 from lmpretrain.config import load_config, save_config
 from lmpretrain.data import (
+    BatchRamp,
     TrainStream,
     heldout_blocks,
     load_tokenizer,
@@ -74,6 +76,7 @@ from lmpretrain.run import (
 )
 from lmpretrain.update import (
     UpdateGuard,
+    WeightAverage,
     apply_hyperparameters,
     build_optimizer,
     describe_groups,
@@ -139,10 +142,10 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     import_model_modules(cfg.model)  # a fork's own model classes register with the Auto classes
     model_config = preflight(cfg, info.sharding, info.world_size, tokenizer)  # one error lists every problem
     W = info.world_size
-    global_batch = cfg.global_batch(W)
+    ramp = BatchRamp.from_config(cfg.train, cfg.global_batch(W), cfg.data.seq_len)  # blocks of each step
     # Data is opened before the model: a missing file fails in seconds, not after a model load.
     train_data = TrainStream(
-        cfg.data, tokenizer, blocks_per_step=global_batch, rank=info.rank, world_size=W, seed=cfg.run.seed
+        cfg.data, tokenizer, blocks_per_step=ramp, rank=info.rank, world_size=W, seed=cfg.run.seed
     )
     cleanup.callback(train_data.close)
     say(train_data.describe())
@@ -180,6 +183,10 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     # updates really applied), under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)
     say(runtime.describe_wrapping(model, accelerator))
+    ema = WeightAverage.from_config(cfg.train, accelerator.unwrap_model(model))  # sharded like the weights
+    averages = {"ema": ema} if ema else {}
+    if ema:
+        say(ema.describe())
     if info.sharding.startswith("fsdp2"):  # every rank: the check runs a forward of a few tokens
         say(check_sharded_precision(model, optimizer, cfg.train))
     say(checkpointer.describe())
@@ -212,12 +219,15 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
             allow_data_change=cfg.run.allow_data_change,
         ):
             say(line)
-        checkpointer.load(resume_from, model=model, optimizer=optimizer, states=states)
+        checkpointer.load(resume_from, model=model, optimizer=optimizer, states=states, averages=averages)
         say(f"resumed from {resume_from} at step {state.step}")
+        if ema and "ema" not in saved.get("averages", []):
+            say(f"the checkpoint holds no EMA: it starts from the weights of step {state.step}")
         if resume_from.parent.parent.resolve() != out.resolve():  # a branch into another output dir
             state.wandb_run_id = None  # (e.g. an anneal) is a W&B run of its own, not the original's
         apply_hyperparameters(optimizer, cfg.optim)  # the current config's, not the checkpoint's
-        changes = hyperparameter_changes(saved["config"], cfg, state.step, state.step - state.skipped_steps)
+        updates = state.step - state.skipped_steps
+        changes = hyperparameter_changes(saved["config"], cfg, state.step, updates, ramp)
         if changes:
             say(changes)
         if mixture := mixture_change(saved["fingerprint"], fingerprint, state.step):
@@ -239,13 +249,19 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     def save_checkpoint():
         meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, "eval_loss": state.eval_loss_now}
         meta["provenance"] = made_by
-        checkpointer.save(state.step, model=model, optimizer=optimizer, states=states, meta=meta)
+        checkpointer.save(
+            state.step, model=model, optimizer=optimizer, states=states, meta=meta, averages=averages
+        )
 
     def run_eval():
         metrics = evaluator(model)
         state.record_eval(metrics["eval/loss"])
         # eval.tasks when due (eval.tasks_every): lm-evaluation-harness on the live model, every rank
         metrics.update(tasks.run_if_due(model, state.step))
+        if ema:  # the same scores of the average, swapped into the model and back
+            metrics.update(
+                ema.evaluate(model, lambda: {**evaluator(model), **tasks.run_if_due(model, state.step)})
+            )
         if cfg.eval.sample_tokens:  # every rank: a sharded model generates on all of them
             text = generate_sample(model, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens, accelerator)
             tracker.log_samples(state.step, [(cfg.eval.prompt, text)])
@@ -281,7 +297,9 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         batch = next(batches)  # 1. load
         t_data = time.perf_counter() - t_start
         # The lr of this update: a function of the updates applied so far and the current config.
-        lr = set_lr(optimizer, learning_rate(cfg, state.step - state.skipped_steps))
+        lr = set_lr(optimizer, learning_rate(cfg, state.step - state.skipped_steps, ramp))
+        if ramp.stages:  # this step's micro-batches
+            runtime.set_grad_accum(accelerator, len(batch.input_ids) // cfg.train.micro_batch_size)
         input_ids = batch.input_ids.to(accelerator.device, non_blocking=True)
         labels = make_labels(input_ids, tokenizer.eos_token_id if cfg.train.mask_cross_doc_targets else None)
         host = {"stop": (preemption.received, "max"), **step_counters(batch)}  # combined over the ranks
@@ -291,7 +309,9 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         )  # fmt: skip
         state.skipped_steps += not step["stepped"]
         state.step += 1
-        state.tokens_seen += global_batch * cfg.data.seq_len
+        state.tokens_seen += batch.input_ids.numel() * W
+        if ema and step["stepped"]:
+            ema.update(state.step)
         # Too many skipped updates in a row raise TrainingDiverged.
         guard.record(state.step, step["terms"]["loss"], step["grad_norm"], step["skipped"])
         metrics = step_metrics(
@@ -325,6 +345,9 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         say(check_replicas_identical(model, accelerator))
     final = export_pretrained(model, tokenizer, out / "final", accelerator)  # every rank: gathers shards
     sample = generate_sample(model, tokenizer, cfg.eval.prompt, 48, accelerator)
+    if ema:
+        with ema.swapped(model):
+            say(f"EMA saved to {export_pretrained(model, tokenizer, out / 'final-ema', accelerator)}")
     say(f"done: step {state.step}, eval loss {state.eval_loss:.4f}, model saved to {final}")
     say(f"sample: {sample!r}")
 

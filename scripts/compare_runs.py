@@ -3,8 +3,9 @@
 
     python scripts/compare_runs.py runs/a runs/b [--keys train/mtp ...] [--plot loss.png] [--assert-close 1e-4] [--wandb]
 
-Prints a table (steps, final train loss, final/best eval loss, final eval bits per byte, median tokens/s,
-wall time, and the last value of each metric named by --keys) and the config keys that differ (what
+Prints a table (steps, final train loss, final/best eval loss, final eval bits per byte, the EMA's
+final/best eval loss for runs with train.ema_decay, median tokens/s, wall time, and the last value of each
+metric named by --keys) and the config keys that differ (what
 trained each run included: recipe file and hash, commit, package versions), writes a PNG of loss vs
 tokens seen (default ``compare_runs.png``), and with
 ``--assert-close TOL`` exits 1 when two runs' train-loss curves differ by more than TOL at a common

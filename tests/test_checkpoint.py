@@ -641,7 +641,8 @@ def test_allow_mismatch_names_are_checked_with_the_config():
 
 
 def test_fingerprint_names_are_the_entries_of_a_real_fingerprint(tmp_path):
-    cfg = load_config([str(rr.SMOKE), "--data.num_workers=0"])
+    ramp = "--train.batch_ramp=[{until_tokens: 1000, global_batch: 4}]"  # its entry is there only with a ramp
+    cfg = load_config([str(rr.SMOKE), "--data.num_workers=0", ramp])
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     stream = TrainStream(
         cfg.data, tokenizer, blocks_per_step=cfg.global_batch(1), rank=0, world_size=1, seed=1

@@ -16,6 +16,7 @@ from lmpretrain.analysis.runs import (
     config_diff,
     curve_distance,
     flatten,
+    format_table,
     load_run,
     load_runs,
     summarize,
@@ -182,3 +183,16 @@ def test_keys_add_any_logged_metric_and_the_diff_shows_what_trained_each_run(tmp
     assert lines[2].split()[-1] == "2.5" and lines[3].split()[-1] == "2.25"
     assert any(line.startswith("provenance.git_commit") and "abc" in line and "def" in line for line in lines)
     assert any(line.startswith("provenance.recipe") for line in lines)
+
+
+def test_ema_columns_appear_for_runs_with_an_ema(tmp_path):
+    a = load_run(make_run_dir(tmp_path / "a", lr=1e-3, steps=10))
+    b = load_run(make_run_dir(tmp_path / "b", lr=1e-3, steps=10))
+    assert "ema" not in format_table([summarize(a), summarize(b)])
+    for i, row in enumerate(r for r in b.rows if "eval/loss" in r):
+        row["eval/ema/loss"] = 3.0 - i
+    s = summarize(b)
+    assert s["final_ema_loss"] == s["best_ema_loss"] == 3.0 - i
+    table = format_table([summarize(a), s]).splitlines()
+    assert "final ema loss" in table[0] and "best ema loss" in table[0]
+    assert table[2].split()[6:8] == ["-", "-"] and table[3].split()[6:8] == [f"{3.0 - i:.4f}"] * 2

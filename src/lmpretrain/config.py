@@ -150,6 +150,14 @@ class DataConfig:
 
 
 @dataclass
+class RampStage:
+    until_tokens: float
+    """The stage lasts while fewer than this many tokens have been trained on (YAML may write 2e6)."""
+    global_batch: int
+    """Blocks per optimizer step during the stage: a multiple of train.micro_batch_size x world size."""
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 1000
     """Optimizer steps (each consumes one global batch)."""
@@ -204,6 +212,17 @@ class TrainConfig:
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"
     """none | tensorwise | rowwise: train the blocks' large Linear layers in float8 through torchao
     (CUDA compute capability >= 8.9, train.compile, pip install -e .[gpu]; the rule in docs/gpu.md)."""
+    ema_decay: float | None = None
+    """An exponential moving average of every trainable parameter (fp32; float64 with param_dtype=float64),
+    ema = decay * ema + (1 - decay) * weights after each applied update, evaluated at each eval as
+    eval/ema/* and exported to final-ema/; null = off (docs/averaging.md)."""
+    ema_start: int = 0
+    """Updates up to this step copy the weights into the EMA, so the average starts from step ema_start."""
+    batch_ramp: list[RampStage] = field(default_factory=list)
+    """Stages of smaller global batches at the start, [{until_tokens: N, global_batch: B}, ...] (B in
+    blocks), then micro_batch_size x grad_accum_steps x world size; [] = the constant batch."""
+    batch_ramp_lr: Literal["sqrt", "linear", "constant"] = "sqrt"
+    """The lr during a ramp stage: the schedule's x (B / final batch)^(1/2 | 1 | 0)."""
     profile_steps: list[int] | None = None
     """[start, end]: a torch.profiler trace of steps start..end (Chrome/Perfetto JSON) and on CUDA a
     memory snapshot in <output_dir>/profile/; null = off. A CUDA out-of-memory writes a snapshot too."""
@@ -593,6 +612,11 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append(
             f"train.profile_steps={t.profile_steps} must be [start, end] with 1 <= start <= end, or null"
         )
+    if t.ema_decay is not None and not 0 < t.ema_decay < 1:
+        p.append(f"train.ema_decay={t.ema_decay} must be in (0, 1), or null (no EMA)")
+    if t.ema_start < 0:
+        p.append("train.ema_start must be >= 0")
+    p += ramp_problems(t, world_size)
     if t.fsdp_reduce_dtype != "float32" and t.precision != "bf16":
         p.append(
             f"train.fsdp_reduce_dtype={t.fsdp_reduce_dtype} belongs to FSDP2's bf16 policy and would do nothing "
@@ -604,4 +628,24 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
             "when compiled into the blocks (eager float8 is slower than bf16)"
         )
     p += data_problems(d, world_size)
+    return p
+
+
+def ramp_problems(t: TrainConfig, world_size: int) -> list[str]:
+    """train.batch_ramp: every stage's batch splits into micro-batches on every rank; stages in order."""
+    p: list[str] = []
+    split = t.micro_batch_size * world_size
+    bad = [
+        f"stage {i} (until_tokens {s.until_tokens:g}) global_batch={s.global_batch}"
+        for i, s in enumerate(t.batch_ramp)
+        if s.global_batch < 1 or (split > 0 and s.global_batch % split)
+    ]
+    if bad:
+        p.append(
+            f"train.batch_ramp: a stage's global_batch must be a positive multiple of train.micro_batch_size x "
+            f"world size = {split} (its micro-batches are accumulated on every rank); not: {'; '.join(bad)}"
+        )
+    until = [s.until_tokens for s in t.batch_ramp]
+    if any(u <= 0 or u != int(u) for u in until) or until != sorted(set(until)):
+        p.append(f"train.batch_ramp: until_tokens must be whole, positive and increasing, got {until}")
     return p

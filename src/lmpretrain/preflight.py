@@ -65,8 +65,17 @@ def model_problems(cfg: Config, model_config, tokenizer) -> list[str]:
 def backend_problems(cfg: Config, sharding: str) -> list[str]:
     """Settings the launch backend (accelerate config) cannot host."""
     deepspeed = sharding.startswith("deepspeed")
+    engine = [  # the engine owns its weights (ZeRO partitions) and a fixed accumulation
+        f"{key} is not supported under DeepSpeed ({why}): use DDP or FSDP2, or leave it off"
+        for key, on, why in (
+            ("train.ema_decay", cfg.train.ema_decay is not None, "its engine partitions the weights"),
+            ("train.batch_ramp", bool(cfg.train.batch_ramp), "its engine fixes the accumulation steps"),
+        )
+        if deepspeed and on
+    ]
     return (
-        guard_problems(cfg.train, engine_steps=deepspeed)
+        engine
+        + guard_problems(cfg.train, engine_steps=deepspeed)
         + checkpoint_problems(cfg.checkpoint.format, cfg.checkpoint.async_save, deepspeed=deepspeed)
         + muon_problems(cfg.optim, sharding)
     )

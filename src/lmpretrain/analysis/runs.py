@@ -104,6 +104,7 @@ def summarize(run: Run, keys: tuple[str, ...] = ()) -> dict:
     """Steps, final train loss, final/best eval loss, final eval bpb, median tokens/s, wall time of a run,
     and the last logged value of each of `keys` (any metric: a fork's `train/<term>`, `eval/...`)."""
     train, evals, bpb = _series(run, LOSS_KEY), _series(run, EVAL_KEY), _series(run, BPB_KEY)
+    ema = _series(run, "eval/ema/loss")  # train.ema_decay: the average's held-out loss
     tps = [v for _, v in _series(run, "perf/tokens_per_s")]
     stamps = [r["_timestamp"] for r in run.rows if "_timestamp" in r]
     return {
@@ -113,6 +114,8 @@ def summarize(run: Run, keys: tuple[str, ...] = ()) -> dict:
         "final_eval_loss": evals[-1][1] if evals else None,
         "best_eval_loss": min(v for _, v in evals) if evals else None,
         "final_eval_bpb": bpb[-1][1] if bpb else None,
+        "final_ema_loss": ema[-1][1] if ema else None,
+        "best_ema_loss": min(v for _, v in ema) if ema else None,
         "tokens_per_s_median": statistics.median(tps) if tps else None,
         # first to last logged step; includes any pause between a stop and its resume
         "wall_time_s": stamps[-1] - stamps[0] if len(stamps) > 1 else None,
@@ -129,10 +132,14 @@ def format_table(summaries: list[dict], keys: tuple[str, ...] = ()) -> str:
         ("final_eval_loss", "final eval loss", "{:.4f}"),
         ("best_eval_loss", "best eval loss", "{:.4f}"),
         ("final_eval_bpb", "final eval bpb", "{:.4f}"),
+        ("final_ema_loss", "final ema loss", "{:.4f}"),
+        ("best_ema_loss", "best ema loss", "{:.4f}"),
         ("tokens_per_s_median", "tokens/s (median)", "{:.0f}"),
         ("wall_time_s", "wall time (s)", "{:.1f}"),
         *((key, key, "{:.4g}") for key in keys),
     ]
+    optional = ("final_ema_loss", "best_ema_loss")  # shown when a run has them
+    cols = [c for c in cols if c[0] not in optional or any(s.get(c[0]) is not None for s in summaries)]
     cells = [[title for _, title, _ in cols]]
     for s in summaries:
         cells.append(["-" if s[k] is None else fmt.format(s[k]) for k, _, fmt in cols])

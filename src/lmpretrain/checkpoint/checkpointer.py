@@ -10,7 +10,9 @@ The recipe hands the checkpointer its model, optimizer and a dict of objects tha
 
 A state is the same on every rank and saved once (rank 0's); wrapped in ``PerRank`` every rank saves
 its own (RNG, data position), and on load a ``merge`` function combines all ranks' saved states so a
-run resumes onto any number of processes. States hold plain data (dicts, lists, ints, floats, bools,
+run resumes onto any number of processes. ``averages={"ema": ema}`` are weight averages: objects whose
+``state_dict()`` is {parameter name: live tensor} sharded like the parameters, written with the model in
+its format and read back into those tensors in place (one absent from the checkpoint is ``restart()``-ed). States hold plain data (dicts, lists, ints, floats, bools,
 strs, None, tensors), checked before anything is written. A checkpoint is
 ``<output_dir>/checkpoints/step-NNNNNNNN/`` holding:
 
@@ -408,7 +410,16 @@ class Checkpointer:
             target[name] = value
         return shared, per_rank
 
-    def save(self, step: int, *, model, optimizer, states: dict, meta: dict | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        *,
+        model,
+        optimizer,
+        states: dict,
+        meta: dict | None = None,
+        averages: dict | None = None,
+    ) -> Path:
         """Write checkpoint ``step`` of ``model``, ``optimizer`` and ``states`` ({name: object with
         state_dict()}); ``meta`` is JSON metadata (its ``eval_loss`` picks the best checkpoint). Every rank
         must call it. Sync: committed and pruned on return; async: committed by a later poll()/wait()."""
@@ -421,8 +432,15 @@ class Checkpointer:
         error: BaseException | None = None
         try:
             shared, per_rank = self._collect(states)  # first: the RNG state is captured before anything runs
+            averages = {name: obj.state_dict() for name, obj in (averages or {}).items()}
             meta_json = json.dumps(
-                {**(meta or {}), "step": step, "world_size": st.num_processes, "format": self.format},
+                {
+                    **(meta or {}),
+                    "step": step,
+                    "world_size": st.num_processes,
+                    "format": self.format,
+                    "averages": sorted(averages),
+                },
                 indent=2,
                 sort_keys=True,
             )
@@ -452,7 +470,7 @@ class Checkpointer:
 
         # Collective calls happen on every rank whatever happened before, so a write error on one
         # rank cannot leave the others waiting inside a gather.
-        error, write = self.files.write(model, optimizer, tmp, error)
+        error, write = self.files.write(model, optimizer, tmp, error, averages)
         if st.is_main_process:
             error = attempt(error, torch_save_synced, shared, tmp / STATES_FILE)
             error = attempt(error, _write_text_synced, meta_json, tmp / META_FILE)
@@ -581,16 +599,20 @@ class Checkpointer:
             raise CheckpointError(f"cannot load {path}: {problem}")
         return _read_meta(path)
 
-    def load(self, path, *, model, optimizer, states: dict) -> dict:
-        """Restore ``model``, ``optimizer`` and every object of ``states`` from ``path``; returns its
-        metadata. Every rank must call it."""
+    def load(self, path, *, model, optimizer, states: dict, averages: dict | None = None) -> dict:
+        """Restore ``model``, ``optimizer``, every object of ``states`` and the ``averages`` the checkpoint
+        holds from ``path``; returns its metadata. Every rank must call it."""
         path = Path(path)
         meta = self.metadata(path)
         manifest = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
         names = sorted(n for n in manifest if RANK_FILE.match(n))
         # The checkpoint's own format decides how to read it (a sharded one loads into any launch).
         files = self.files if meta["format"] == self.format else self._files(meta["format"])
-        files.load(path, manifest, model, optimizer)
+        averages = averages or {}
+        saved_averages = {k: v.state_dict() for k, v in averages.items() if k in meta.get("averages", [])}
+        files.load(path, manifest, model, optimizer, saved_averages)
+        for name in set(averages) - set(saved_averages):
+            averages[name].restart()
         shared = torch.load(path / STATES_FILE, map_location="cpu", weights_only=True)
         saved_ranks = [torch.load(path / n, map_location="cpu", weights_only=True)["states"] for n in names]
         for name, obj in states.items():

@@ -6,6 +6,9 @@ the stateful objects, discovery and retention.
   loads into DDP and FSDP2 models alike).
 * ``sharded``: ``dcp/``, written with ``torch.distributed.checkpoint``: each rank writes the shards it
   holds (no rank ever holds the whole state), and a load reshards onto any number of processes.
+* averages of the weights (an EMA, ``averages={"ema": ...}``: name -> {parameter name: tensor}, DTensors
+  under FSDP2): ``<name>.safetensors`` of whole tensors in format ``full``, ``averages/<name>/...`` inside
+  ``dcp/`` (each rank its shards) in format ``sharded``; loaded into the live tensors in place.
 * DeepSpeed: ``model.safetensors`` from rank 0 plus the engine's own ``deepspeed/`` directory (its ZeRO
   optimizer partitions, one file per rank, float32 master weights, loss scaler).
 
@@ -34,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmpretrain.errors import CheckpointError
 
@@ -147,6 +151,25 @@ def _snapshot(tree, memo: dict | None = None):
     return tree
 
 
+def _gathered(tensors: dict) -> dict:
+    """Whole CPU copies of {name: tensor}, DTensor shards gathered (a collective on every rank)."""
+    return {k: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu() for k, t in tensors.items()}
+
+
+@torch.no_grad()
+def _scatter_into(live: dict, whole: dict) -> None:
+    """Copy whole tensors into the live ones; a DTensor takes its own shard (split like the parameter)."""
+    missing = sorted(set(live) - set(whole))
+    if missing:
+        raise CheckpointError(f"the saved average lacks {len(missing)} parameters, e.g. {missing[0]!r}")
+    for name, t in live.items():
+        if isinstance(t, DTensor):
+            src = distribute_tensor(whole[name].to(t.device, t.dtype), t.device_mesh, t.placements)
+            t.to_local().copy_(src.to_local())
+        else:
+            t.copy_(whole[name])
+
+
 def _write_model(weights: dict, path: Path) -> None:
     tensors, aliases = _split_tied(weights)
     safetensors.torch.save_file(tensors, path, metadata={"format": "pt", _ALIASES_KEY: json.dumps(aliases)})
@@ -222,10 +245,12 @@ class Files:
         self.async_save = async_save
         self.distributed = state.num_processes > 1 and dist.is_available() and dist.is_initialized()
 
-    def write(self, model, optimizer, tmp: Path, error) -> tuple[BaseException | None, Future]:
+    def write(self, model, optimizer, tmp: Path, error, averages=None) -> tuple[BaseException | None, Future]:
+        """`averages`: {name: {parameter name: tensor}} written beside the model (see the module docstring)."""
         raise NotImplementedError
 
-    def load(self, path: Path, manifest: dict, model, optimizer) -> None:
+    def load(self, path: Path, manifest: dict, model, optimizer, averages=None) -> None:
+        """`averages`: {name: {parameter name: live tensor}}, filled in place."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -239,24 +264,28 @@ class FullFiles(Files):
         super().__init__(state, async_save)
         self._thread: ThreadPoolExecutor | None = None
 
-    def write(self, model, optimizer, tmp, error):
+    def write(self, model, optimizer, tmp, error, averages=None):
         # Full on main, empty elsewhere (sharded models are gathered: a collective on every rank).
         weights = get_model_state_dict(model, options=_FULL)
         optim_state = _optimizer_state(model, optimizer, full=True)
+        whole = {name: _gathered(tensors) for name, tensors in (averages or {}).items()}  # every rank
         if not self.state.is_main_process or error is not None:
             return error, done()
         if not self.async_save:
-            return attempt(None, self._write, weights, optim_state, tmp), done()
+            return attempt(None, self._write, weights, optim_state, whole, tmp), done()
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmpretrain-checkpoint")
-        return None, self._thread.submit(self._write, *_snapshot((weights, optim_state)), tmp)
+        return None, self._thread.submit(self._write, *_snapshot((weights, optim_state, whole)), tmp)
 
     @staticmethod
-    def _write(weights: dict, optim_state: dict, tmp: Path) -> None:
+    def _write(weights: dict, optim_state: dict, averages: dict, tmp: Path) -> None:
         _write_model(weights, tmp / MODEL_FILE)
         torch_save_synced(optim_state, tmp / OPTIMIZER_FILE)
+        for name, tensors in averages.items():
+            safetensors.torch.save_file(tensors, tmp / f"{name}.safetensors", metadata={"format": "pt"})
+            fsync_path(tmp / f"{name}.safetensors")
 
-    def load(self, path, manifest, model, optimizer):
+    def load(self, path, manifest, model, optimizer, averages=None):
         if OPTIMIZER_FILE not in manifest:
             raise CheckpointError(
                 f"{path} was written by a DeepSpeed run (its optimizer state is partitioned in "
@@ -267,6 +296,8 @@ class FullFiles(Files):
         )
         optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         _set_optimizer(path / OPTIMIZER_FILE, model, optimizer, optim_state, full=True)
+        for name, live in (averages or {}).items():
+            _scatter_into(live, safetensors.torch.load_file(path / f"{name}.safetensors", device="cpu"))
 
     def close(self):
         if self._thread is not None:
@@ -285,8 +316,10 @@ class ShardedFiles(Files):
             # the loop's own and deadlock, so it gets a group of its own (gloo: it stages on CPU).
             self._group = dist.new_group(backend="gloo")
 
-    def write(self, model, optimizer, tmp, error):
+    def write(self, model, optimizer, tmp, error, averages=None):
         state = {"model": get_model_state_dict(model)}  # DTensor shards under FSDP2: this rank's share
+        if averages:
+            state["averages"] = averages
         optim_state = _optimizer_state(model, optimizer, full=False)
         if optim_state["state"]:
             state["optimizer"] = optim_state
@@ -307,10 +340,13 @@ class ShardedFiles(Files):
             error = error or err
         return error, write
 
-    def load(self, path, manifest, model, optimizer):
+    def load(self, path, manifest, model, optimizer, averages=None):
         # The live model and optimizer give DCP the layout to read into: this rank's shards under FSDP2,
-        # whole tensors otherwise (DCP reshards whatever number of ranks wrote them).
+        # whole tensors otherwise (DCP reshards whatever number of ranks wrote them). The averages' live
+        # tensors are read into in place.
         state = {"model": get_model_state_dict(model)}
+        if averages:
+            state["averages"] = averages
         groups_only = OPTIMIZER_FILE in manifest
         if not groups_only:
             state["optimizer"] = get_optimizer_state_dict(model, optimizer)
@@ -334,7 +370,7 @@ class DeepSpeedFiles(Files):
         "whole weights from rank 0 (model.safetensors) + DeepSpeed's partitioned optimizer (deepspeed/)"
     )
 
-    def write(self, model, optimizer, tmp, error):
+    def write(self, model, optimizer, tmp, error, averages=None):  # averages: refused under DeepSpeed
         # A DeepSpeed engine's module holds whole weights (ZeRO 1/2); its optimizer partitions are its own.
         if self.state.is_main_process:
             error = attempt(
@@ -347,7 +383,7 @@ class DeepSpeedFiles(Files):
             error = error or err
         return error, done()
 
-    def load(self, path, manifest, model, optimizer):
+    def load(self, path, manifest, model, optimizer, averages=None):
         if OPTIMIZER_FILE in manifest or DCP_METADATA in manifest:
             raise CheckpointError(
                 f"{path} was written without DeepSpeed; DeepSpeed cannot load it: resume it with the "

@@ -9,6 +9,7 @@ global_shuffle.py (`data.shuffle: global`, a seeded permutation of every block p
 and corpus.py (the default tokenizer and its corpus, built locally).
 """
 
+from lmpretrain.data.batch_ramp import BatchRamp
 from lmpretrain.data.heldout import heldout_blocks
 from lmpretrain.data.mixture import mixture_change
 from lmpretrain.data.sources import Source, SourceSpec, expand_files, open_source
@@ -22,6 +23,7 @@ from lmpretrain.data.train_stream import (
 )
 
 __all__ = [
+    "BatchRamp",
     "Source",
     "SourceSpec",
     "StepBlocks",

@@ -14,6 +14,7 @@ the next blocks from it and reads nothing else.
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import numpy as np
 import torch
@@ -167,21 +168,23 @@ class GlobalBlocksDataset(IterableDataset):
     """Yields, per step, the items `TrainStream` reads from its workers (as `_StreamsDataset` does): every
     process computes the step's draws and reads the blocks of the streams it owns."""
 
-    def __init__(self, order: GlobalOrder, streams: list[int], state: dict, counts: list[int]):
+    def __init__(self, order: GlobalOrder, streams: list[int], state: dict, sizes):
+        """`sizes`: train_stream.StepSizes, the blocks each stream gives to each step."""
         super().__init__()
-        self.order, self.streams, self.state, self.counts = order, streams, state, counts
+        self.order, self.streams, self.state, self.sizes = order, streams, state, sizes
         self.block_streams: dict = {}  # TrainStream.close() walks the window path's streams
 
     def __iter__(self):
         info = get_worker_info()
         mine = self.streams if info is None else self.streams[info.id :: info.num_workers]
-        num_streams, per_step = len(self.counts), sum(self.counts)
-        needed = [j for s in mine for j in range(s, per_step, num_streams)]  # stream by stream
-        bounds = np.cumsum([0] + [self.counts[s] for s in mine]).tolist()
-        state = self.state
+        num_streams, state = self.sizes.num_streams, self.state
         try:
             self.order.check_state(state)
-            while True:
+            for step in itertools.count(self.sizes.first):
+                counts = self.sizes.counts(step)
+                per_step = sum(counts)
+                needed = [j for s in mine for j in range(s, per_step, num_streams)]  # stream by stream
+                bounds = np.cumsum([0] + [counts[s] for s in mine]).tolist()
                 draws, state = self.order.next_draws(state, per_step)
                 read = torch.from_numpy(self.order.read([draws[j] for j in needed]))
                 blocks = {s: read[bounds[i] : bounds[i + 1]] for i, s in enumerate(mine)}

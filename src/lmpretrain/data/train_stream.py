@@ -2,13 +2,16 @@
 
 Global block j of a step comes from stream j % S; rank p owns streams s % world_size == p; worker w of a
 rank owns the rank's streams [w::num_workers]. The blocks of a step therefore depend only on (data, seed,
-blocks_per_step, S): world size and workers change who computes them, not what they are. The training
+blocks per step, S): world size and workers change who computes them, not what they are. The blocks per
+step may vary with the step (a batch ramp, data/batch_ramp.py): step s takes `BatchRamp.blocks(s)`, and
+the state counts the steps consumed, so a resumed stream knows the size of its next step. The training
 mixture may change at resume (data/mixture.py).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 import signal
@@ -21,6 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lmpretrain.config import data_problems
 from lmpretrain.data import mixture
+from lmpretrain.data.batch_ramp import BatchRamp
 from lmpretrain.data.block_stream import BlockStream, StreamSettings
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.global_shuffle import GlobalBlocksDataset, GlobalOrder, resolve_shuffle
@@ -37,7 +41,7 @@ STATE_VERSION = 2  # 2: document windows, pieces of files, positions by byte off
 
 @dataclass
 class StepBlocks:
-    input_ids: torch.Tensor  # [blocks_per_step // world_size, seq_len], blocks ordered by stream id
+    input_ids: torch.Tensor  # [the step's blocks // world_size, seq_len], blocks ordered by stream id
     epoch: int  # min completed epochs of the first source over this rank's streams (as read so far)
     skipped_docs: int  # bad records skipped so far by this rank's streams
     sources: dict[str, int] = field(default_factory=dict)  # tokens each source gave this rank's blocks so far
@@ -55,6 +59,18 @@ def step_counters(batch: StepBlocks) -> dict[str, tuple[int, str]]:
 def blocks_per_stream(blocks_per_step: int, num_streams: int) -> list[int]:
     """c_s = G // S + (s < G % S): how many blocks stream s gives to every step."""
     return [blocks_per_step // num_streams + (s < blocks_per_step % num_streams) for s in range(num_streams)]
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """Blocks each stream gives to step s (0-based), from step `first` on: what a dataset yields per item."""
+
+    ramp: BatchRamp
+    num_streams: int
+    first: int = 0
+
+    def counts(self, step: int) -> list[int]:
+        return blocks_per_stream(self.ramp.blocks(step), self.num_streams)
 
 
 def merge_data_states(per_rank_states: list[dict]) -> dict:
@@ -106,12 +122,12 @@ class _StreamsDataset(IterableDataset):
         settings: StreamSettings,
         streams: list[int],
         states: dict[int, dict],
-        counts: list[int],
+        sizes: StepSizes,
         source_ids: list[int],
     ):
         super().__init__()
         self.sources, self.encoder, self.settings = sources, encoder, settings
-        self.streams, self.states, self.counts = streams, states, counts
+        self.streams, self.states, self.sizes = streams, states, sizes
         self.source_ids = source_ids
         self.block_streams: dict[int, BlockStream] = {}
 
@@ -123,9 +139,10 @@ class _StreamsDataset(IterableDataset):
             for s in mine
         }
         try:
-            while True:
+            for step in itertools.count(self.sizes.first):
+                counts = self.sizes.counts(step)
                 blocks = {
-                    s: torch.from_numpy(b.next_blocks(self.counts[s])) for s, b in self.block_streams.items()
+                    s: torch.from_numpy(b.next_blocks(counts[s])) for s, b in self.block_streams.items()
                 }
                 states = {s: b.state() for s, b in self.block_streams.items()}
                 progress = {s: b.progress() for s, b in self.block_streams.items()}
@@ -141,15 +158,26 @@ class TrainStream:
     """Endless training blocks, one `StepBlocks` per optimizer step, for one rank; see the module docstring."""
 
     def __init__(
-        self, data: DataConfig, tokenizer, *, blocks_per_step: int, rank: int, world_size: int, seed: int
+        self,
+        data: DataConfig,
+        tokenizer,
+        *,
+        blocks_per_step: int | BatchRamp,
+        rank: int,
+        world_size: int,
+        seed: int,
     ):
+        """`blocks_per_step`: the global blocks of every step, or a `BatchRamp` saying those of each step."""
+        ramp = blocks_per_step if isinstance(blocks_per_step, BatchRamp) else BatchRamp(blocks_per_step)
         problems = data_problems(data, world_size) if world_size >= 1 else []
         if world_size < 1 or not 0 <= rank < world_size:
             problems.append(f"rank {rank} is not in [0, world_size={world_size})")
-        elif blocks_per_step < 1 or blocks_per_step % world_size:
-            problems.append(
-                f"blocks per step ({blocks_per_step}) must be a positive multiple of world_size ({world_size})"
-            )
+        else:
+            for blocks in [size for _, size in ramp.stages] + [ramp.final]:
+                if blocks < 1 or blocks % world_size:
+                    problems.append(
+                        f"blocks per step ({blocks}) must be a positive multiple of world_size ({world_size})"
+                    )
         if problems:
             raise DataError("invalid data settings:\n  - " + "\n  - ".join(problems))
         self.encoder = Encoder(tokenizer, data.add_bos)  # checks EOS/BOS before reading any data
@@ -172,10 +200,10 @@ class TrainStream:
             block_window=data.shuffle_window,
             doc_window=data.doc_shuffle_window,
         )
-        self.num_streams, self.blocks_per_step = data.num_streams, blocks_per_step
+        self.num_streams, self.ramp, self.steps_done = data.num_streams, ramp, 0
         self.rank, self.world_size, self.num_workers = rank, world_size, data.num_workers
         self.owned = [s for s in range(self.num_streams) if s % world_size == rank]
-        self.counts = blocks_per_stream(blocks_per_step, self.num_streams)
+        self.counts = blocks_per_stream(ramp.final, self.num_streams)  # of the steps after a ramp
         for src in self.sources if self.order is None else []:  # the global shuffle has no pieces
             n = len(src.pieces(self.num_streams))
             if n < self.num_streams:
@@ -210,15 +238,16 @@ class TrainStream:
         }[self.shuffle]
         return (
             f"data: {sources}; {self.encoder.describe()}; {s.num_streams} streams x {s.seq_len}-token blocks, "
-            f"{self.blocks_per_step} blocks per step; {shuffle}"
+            f"{self.ramp.describe()}; {shuffle}"
         )
 
     def __iter__(self) -> Iterator[StepBlocks]:
         """Start (or restart) from the current state: the last consumed step, or what `load_state_dict` set."""
         self.close()
+        sizes = StepSizes(self.ramp, self.num_streams, self.steps_done)
         if self.order is not None:  # every stream holds the same position: the step's
             state = copy.deepcopy(self._states[self.owned[0]])
-            self._dataset = GlobalBlocksDataset(self.order, self.owned, state, self.counts)
+            self._dataset = GlobalBlocksDataset(self.order, self.owned, state, sizes)
         else:
             self._dataset = _StreamsDataset(
                 self.sources,
@@ -226,7 +255,7 @@ class TrainStream:
                 self.settings,
                 self.owned,
                 copy.deepcopy(self._states),
-                self.counts,
+                sizes,
                 self.source_ids,
             )
         if self.num_workers == 0:
@@ -266,6 +295,7 @@ class TrainStream:
                         logger.warning(report)
             ids = torch.cat([blocks[s] for s in self.owned]).long()
             self._states.update(states)  # only now is this step consumed
+            self.steps_done += 1
             tokens = [
                 sum(per_source) for per_source in zip(*(t for _, _, t in progress.values()), strict=True)
             ]
@@ -277,11 +307,12 @@ class TrainStream:
             )
 
     def state_dict(self) -> dict:
-        """Position of what was consumed: {"version", "num_streams", "mixture", "streams": {stream id: plain
-        dict}}; `mixture` names the sources the positions belong to (data/mixture.py)."""
+        """Position of what was consumed: {"version", "num_streams", "steps", "mixture", "streams": {stream id:
+        plain dict}}; `mixture` names the sources the positions belong to (data/mixture.py)."""
         return {
             "version": STATE_VERSION,
             "num_streams": self.num_streams,
+            "steps": self.steps_done,
             "mixture": mixture.mixture(self.specs, self.source_ids),
             "streams": copy.deepcopy(self._states),
         }
@@ -309,6 +340,7 @@ class TrainStream:
             )
         self.close()
         self._states = {s: copy.deepcopy(streams[s]) for s in self.owned}
+        self.steps_done = state.get("steps", 0)  # (states written before ramps: only constant batches)
         if "mixture" in state:  # (states written before mixtures could change have the same sources)
             self.source_ids, changed = mixture.follow(state["mixture"], self.specs)
             if changed:

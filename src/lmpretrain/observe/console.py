@@ -111,7 +111,9 @@ def format_log_line(
         parts.append(f"skipped {m['train/skipped_steps']}")
     if "eval/loss" in m:
         parts.append(
-            f"eval loss {m['eval/loss']:.4f}" + (f" ppl {m['eval/ppl']:.2f}" if "eval/ppl" in m else "")
+            f"eval loss {m['eval/loss']:.4f}"
+            + (f" (ema {m['eval/ema/loss']:.4f})" if "eval/ema/loss" in m else "")
+            + (f" ppl {m['eval/ppl']:.2f}" if "eval/ppl" in m else "")
         )
     if "eval/bpb" in m:
         parts.append(f"bpb {m['eval/bpb']:.3f}")

@@ -19,6 +19,7 @@ def step_metrics(step, batch, state, lr, max_norm, t_start, t_data, accelerator,
         "train/grad_norm": step["grad_norm"],
         "train/clipped": step["grad_norm"] > max_norm,
         "train/tokens_seen": state.tokens_seen,
+        "train/global_batch": tokens // batch.input_ids.shape[1],  # blocks (a batch ramp changes it)
         "train/skipped_steps": state.skipped_steps,
         "perf/tokens_per_s": tokens_per_s,
         "perf/step_time_s": step_time,

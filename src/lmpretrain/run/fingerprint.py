@@ -29,6 +29,7 @@ FINGERPRINT_NAMES = (
     "data_version",
     "model",
     "global_batch",
+    "batch_ramp",
     *LAYOUT_KEYS,
 )
 
@@ -60,7 +61,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def run_fingerprint(cfg, world_size: int, data: dict, model_config) -> dict:
-    """This run's fingerprint: the data's (sources, tokenizer, layout), the model config, the batch."""
+    """This run's fingerprint: the data's (sources, tokenizer, layout), the model config, the batch (and its
+    ramp, when there is one: the blocks of every step depend on it)."""
+    ramp = {"batch_ramp": [[s.until_tokens, s.global_batch] for s in cfg.train.batch_ramp]}
     return {
         **data,
         "world_size": world_size,
@@ -68,6 +71,7 @@ def run_fingerprint(cfg, world_size: int, data: dict, model_config) -> dict:
         "micro_batch_size": cfg.train.micro_batch_size,
         "grad_accum_steps": cfg.train.grad_accum_steps,
         "global_batch": cfg.global_batch(world_size),
+        **(ramp if cfg.train.batch_ramp else {}),
     }
 
 

@@ -364,3 +364,11 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def set_grad_accum(accelerator, steps: int) -> None:
+    """Micro-batches of the next optimizer step (a batch ramp changes them). accelerate syncs gradients
+    when its micro-batch counter reaches a multiple of `gradient_accumulation_steps` (and train_step reads
+    it for the loss normalisation), so the counter restarts at 0 with each step."""
+    accelerator.gradient_accumulation_steps = steps
+    accelerator.step = 0

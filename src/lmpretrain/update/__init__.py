@@ -1,5 +1,7 @@
-"""How weights change: the optimizer, the learning-rate schedule, the guard that skips bad updates."""
+"""How weights change: the optimizer, the learning-rate schedule, the guard that skips bad updates, the
+weights' moving average (EMA)."""
 
+from lmpretrain.update.ema import WeightAverage
 from lmpretrain.update.guard import UpdateGuard
 from lmpretrain.update.muon import muon_problems
 from lmpretrain.update.optim import (
@@ -12,6 +14,7 @@ from lmpretrain.update.schedule import hyperparameter_changes, learning_rate, se
 
 __all__ = [
     "UpdateGuard",
+    "WeightAverage",
     "apply_hyperparameters",
     "build_optimizer",
     "describe_groups",

@@ -76,17 +76,25 @@ def lr_factor(
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
 
-def learning_rate(cfg, updates: int) -> float:
-    """The lr of the next update, after `updates` applied ones, under config `cfg` (optim.*, train.max_steps)."""
+def learning_rate(cfg, updates: int, ramp=None) -> float:
+    """The lr of the next update, after `updates` applied ones, under config `cfg` (optim.*, train.max_steps).
+
+    With a batch ramp (data/batch_ramp.py) the schedule counts tokens, in steps of the final batch, and the
+    lr is scaled by the ramp's factor for the batch of update `updates`."""
     o = cfg.optim
-    return o.lr * lr_factor(
-        updates,
+    step, max_steps, scale = updates, cfg.train.max_steps, 1.0
+    if ramp is not None and ramp.stages:  # update n ends at schedule_steps(n + 1) final-batch steps
+        step, max_steps = ramp.schedule_steps(updates + 1) - 1, ramp.schedule_steps(max_steps)
+        scale = ramp.lr_scale(updates)
+    factor = lr_factor(
+        step,
         warmup_steps=o.warmup_steps,
-        max_steps=cfg.train.max_steps,
+        max_steps=max_steps,
         min_ratio=o.min_lr / o.lr,
         schedule=o.schedule,
         decay_fraction=o.decay_fraction,
     )
+    return o.lr * scale * factor
 
 
 def set_lr(optimizer, lr: float) -> float:
@@ -96,7 +104,7 @@ def set_lr(optimizer, lr: float) -> float:
     return lr
 
 
-def hyperparameter_changes(saved_cfg: dict, cfg, step: int, updates: int) -> str | None:
+def hyperparameter_changes(saved_cfg: dict, cfg, step: int, updates: int, ramp=None) -> str | None:
     """One line naming each optimizer hyper-parameter (and train.max_steps) that differs from the
     checkpoint's config, and the lr the run continues with at `step` (after `updates` applied updates);
     None when nothing changed."""
@@ -116,7 +124,7 @@ def hyperparameter_changes(saved_cfg: dict, cfg, step: int, updates: int) -> str
         changed.append(f"train.max_steps {old_max_steps} -> {cfg.train.max_steps}")
     if not changed:
         return None
-    was, now = learning_rate(old, updates), learning_rate(cfg, updates)
+    was, now = learning_rate(old, updates, ramp), learning_rate(cfg, updates, ramp)
     line = (
         f"resumed with new hyper-parameters from step {step}: {', '.join(changed)} (lr {was:.3g} -> {now:.3g}"
     )

@@ -19,6 +19,7 @@ import time
 from lmpretrain.data import SourceSpec
 from lmpretrain.data.token_files import write_token_files
 from lmpretrain.data.tokenizer import load_tokenizer
+from lmpretrain.data.transforms import load_transforms
 from lmpretrain.errors import UserError
 
 
@@ -48,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--processes", type=int, default=os.cpu_count(), help="tokenizing processes")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    parser.add_argument(
+        "--transform",
+        action="append",
+        default=[],
+        metavar="MODULE:FUNCTION",
+        help="a data transform applied to each document before tokenizing, as data.transforms (repeatable)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -71,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             add_bos=add_bos,
             processes=args.processes,
             overwrite=args.overwrite,
+            transforms=load_transforms(args.transform),
         )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

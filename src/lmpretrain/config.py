@@ -147,6 +147,12 @@ class DataConfig:
     add_bos: bool | None = None
     """BOS before each document; null = true when the tokenizer has a BOS token distinct from EOS (the
     builtin one has). Recorded in the resume fingerprint."""
+    transforms: list[str] = field(default_factory=list)
+    """A fork's functions over each document's text, `module:function` or `path/to/file.py:function`, run in
+    order: f(text, source label) returns the text to tokenize or None to drop the document (counted in
+    train/filtered_docs). Applied to every text source, training and held-out (token files are read as
+    prepared: scripts/prepare_data.py --transform); names and file hashes are in the resume fingerprint
+    (docs/forking.md)."""
 
 
 @dataclass
@@ -456,10 +462,17 @@ def with_sections(sections: dict[str, type] | None) -> type[Config]:
     return dataclasses.make_dataclass("Config", extra, bases=(Config,))
 
 
-def load_config(argv: list[str], sections: dict[str, type] | None = None) -> Config:
+def fork_sections(cfg: Config) -> list[str]:
+    """The names of the config sections a fork added (with_sections), in order."""
+    builtin = {f.name for f in dataclasses.fields(Config)}
+    return [f.name for f in dataclasses.fields(cfg) if f.name not in builtin]
+
+
+def load_config(argv: list[str], sections: dict[str, type] | None = None, transforms=()) -> Config:
     """`argv` = [path/to/config.yaml, --section.field=value, ...] -> a typed Config (or ConfigError).
 
-    `sections`: a fork's own config sections, see `with_sections`."""
+    `sections`: a fork's own config sections, see `with_sections`; `transforms`: a forked recipe's data
+    transforms (functions), named in data.transforms before the config's own."""
     if not argv or argv[0].startswith("--"):
         raise ConfigError(["the first argument must be a config YAML, e.g. configs/smoke.yaml"])
     path = Path(argv[0])
@@ -478,6 +491,11 @@ def load_config(argv: list[str], sections: dict[str, type] | None = None) -> Con
     if problems:
         raise ConfigError(problems, source=str(path))
     cfg.config_path = str(path)
+    if transforms:
+        from lmpretrain.data.transforms import transform_name
+
+        names = [transform_name(f) for f in transforms]
+        cfg.data.transforms = names + [n for n in cfg.data.transforms if n not in names]
     return cfg
 
 

@@ -201,13 +201,16 @@ def check_tokenizer(files: TokenFiles, tokenizer, label: str) -> None:
 _job: dict = {}  # set in each prepare process by _init_job
 
 
-def _init_job(spec, tokenizer, add_bos: bool | None, dtype: str, folder: str) -> None:
+def _init_job(spec, tokenizer, add_bos: bool | None, dtype: str, folder: str, transforms=None) -> None:
     from lmpretrain.data.encoder import Encoder
     from lmpretrain.data.sources import open_source
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one tokenizer thread per process
     _job.update(
-        source=open_source(spec), encoder=Encoder(tokenizer, add_bos), dtype=np.dtype(dtype), folder=folder
+        source=open_source(spec, transforms),
+        encoder=Encoder(tokenizer, add_bos),
+        dtype=np.dtype(dtype),
+        folder=folder,
     )
 
 
@@ -258,9 +261,11 @@ def write_token_files(
     processes: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    transforms=None,
 ) -> dict:
     """Tokenize a source into a token-file folder `out` with `processes` processes; returns the header.
-    The folder appears (renamed into place) only when complete; `overwrite` replaces an existing one."""
+    The folder appears (renamed into place) only when complete; `overwrite` replaces an existing one.
+    `transforms`: data.transforms (data/transforms.py) applied to each document before tokenizing."""
     from lmpretrain.data.encoder import Encoder
     from lmpretrain.data.sources import open_source
     from lmpretrain.data.tokenizer import tokenizer_hash
@@ -269,7 +274,7 @@ def write_token_files(
     out = Path(os.path.expanduser(out))
     if out.exists() and not overwrite:
         raise DataError(f"{out} exists; choose another --out or pass --overwrite")
-    source = open_source(spec)
+    source = open_source(spec, transforms)
     encoder = Encoder(tokenizer, add_bos)  # checks EOS/BOS before any work
     dtype = token_dtype(len(tokenizer))
     pieces = source.pieces(PREPARE_PIECES)
@@ -280,7 +285,7 @@ def write_token_files(
     announce(
         f"tokenizing {source.summary(PREPARE_PIECES)} into {out} with {processes} process{'es' * (processes > 1)}"
     )
-    args = (spec, tokenizer, encoder.add_bos, dtype.str, str(tmp))
+    args = (spec, tokenizer, encoder.add_bos, dtype.str, str(tmp), transforms)
     try:
         shards: list[dict] = []
         with bar(desc="tokenizing", unit="piece", total=len(pieces), enabled=progress) as shown:

@@ -180,3 +180,49 @@ def test_a_missing_piece_of_the_model_contract_is_named_before_any_work(tmp_path
     assert run.returncode == 2
     assert "TinyBlockForCausalLM.supports_gradient_checkpointing is not true" in run.output
     assert "parameters; optimizer groups" not in run.output  # refused before the model was built
+
+
+# ---- a data fork: a transform named in data.transforms -------------------------------------------------------
+
+LOWERCASE_LONG = "--data.transforms=[examples/data_transforms.py:keep_long_lowercased]"
+
+
+@pytest.mark.slow
+def test_a_data_transform_trains_resumes_bit_identically_after_kill_9_and_a_changed_one_is_refused(tmp_path):
+    args = [*rr.QUICK, LOWERCASE_LONG, "--train.max_steps=12", "--checkpoint.every=4", "--eval.every=4"]
+    args.append("--logging.wandb_mode=disabled")
+    straight = rr.run(tmp_path / "straight", *args)
+    assert "transforms: examples/data_transforms.py:keep_long_lowercased" in straight.output
+    out = tmp_path / "killed"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = rr.start(out, *args, log=log)
+        rr.wait_for_step(proc, out, 6)
+        rr.kill_tree(proc, signal.SIGKILL)
+        proc.wait(timeout=120)
+    assert rr.read_metrics(out)[-1]["step"] < 12, "the run finished before it could be killed"
+    resumed = rr.run(out, *args)
+    assert "resumed from" in resumed.output
+    assert rr.file_sha256(straight.out / "final" / "model.safetensors") == rr.file_sha256(
+        out / "final" / "model.safetensors"
+    )
+    counted = {r["step"]: r["train/filtered_docs"] for r in straight.metrics() if "train/filtered_docs" in r}
+    assert len(counted) == 12 and counted[12] > 0  # short documents were dropped, and counted
+    assert {r["step"]: r["train/filtered_docs"] for r in rr.read_metrics(out) if r["step"] > 8} == {
+        s: n for s, n in counted.items() if s > 8
+    }
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["data"]["transforms"] == ["examples/data_transforms.py:keep_long_lowercased"]
+
+    config = out / "config.yaml"
+    before = (config.stat().st_mtime_ns, rr.file_sha256(config))
+    other = "--data.transforms=[examples/data_transforms.py:keep_long]"
+    kept = [a for a in args if a != LOWERCASE_LONG]
+    refused = rr.run(out, *kept, other, "--train.max_steps=16", check=False, launcher=rr.LAUNCHER)
+    assert refused.returncode == 2
+    assert (
+        "data.transforms: ['examples/data_transforms.py:keep_long_lowercased'] -> "
+        "['examples/data_transforms.py:keep_long']" in refused.output
+    )
+    assert "--run.allow_data_change=true" in refused.output
+    assert "parameters; optimizer groups" not in refused.output  # refused before the model was built
+    assert (config.stat().st_mtime_ns, rr.file_sha256(config)) == before

@@ -198,7 +198,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     if deepspeed:
         say(precision.check_engine_weights(model))
     evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator, tokenizer)
-    made_by = provenance(recipe)  # which recipe file, commit and packages trained this run
+    made_by = provenance(recipe, cfg)  # which recipe and fork files, commit and packages trained this run
     meter = MFUMeter.for_run(
         model_config, cfg.data.seq_len, accelerator.device, precision.dtype or torch.float32
     )

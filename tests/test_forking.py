@@ -226,3 +226,38 @@ def test_a_data_transform_trains_resumes_bit_identically_after_kill_9_and_a_chan
     assert "--run.allow_data_change=true" in refused.output
     assert "parameters; optimizer groups" not in refused.output  # refused before the model was built
     assert (config.stat().st_mtime_ns, rr.file_sha256(config)) == before
+
+
+# ---- a fork section's fields are part of the resume fingerprint ---------------------------------------------
+
+
+def test_a_fork_sections_fields_are_checked_at_resume_unless_declared_free():
+    from dataclasses import dataclass, field
+
+    from transformers import LlamaConfig
+
+    from lmpretrain.errors import CheckpointMismatchError
+    from lmpretrain.run.fingerprint import allow_mismatch_problems, check_fingerprint, run_fingerprint
+
+    @dataclass
+    class Probe:
+        width: int = 8
+        log_every: int = field(default=10, metadata={"resume": "free"})  # may change at resume
+
+    sections = {"probe": Probe}
+    model_config = LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+
+    def fingerprint(*args):
+        cfg = load_config([str(rr.SMOKE), *args], sections=sections)
+        return run_fingerprint(cfg, 1, {"seq_len": 64}, model_config)
+
+    saved = fingerprint()
+    assert saved["probe"] == {"width": 8}
+    assert check_fingerprint(saved, fingerprint("--probe.log_every=1")) == []
+    with pytest.raises(CheckpointMismatchError, match=r"probe\.width: 8 -> 16"):
+        check_fingerprint(saved, fingerprint("--probe.width=16"))
+    lines = check_fingerprint(saved, fingerprint("--probe.width=16"), allow_mismatch=["probe.width"])
+    assert lines == ["WARNING: resuming across a fingerprint difference (run.allow_mismatch): probe.width: 8 -> 16"]
+    assert allow_mismatch_problems(["probe.width", "probe"], sections=["probe"]) == []
+    assert "model.<field>, probe, probe.<field>" in allow_mismatch_problems(["prob"], sections=["probe"])[0]
+    assert "probe" not in run_fingerprint(load_config([str(rr.SMOKE)]), 1, {}, model_config)

@@ -436,13 +436,44 @@ def parse_overrides(args: list[str]) -> dict:
 
 
 def _merge(base: dict, over: dict) -> dict:
+    """`over`'s keys over `base`'s, mappings merged key by key; a null in `over` deletes the key from
+    `base` (the field's default then applies; a model.overrides entry is dropped)."""
     out = dict(base)
     for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if value is None and key in out:
+            del out[key]
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:
             out[key] = value
     return out
+
+
+def read_config_file(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """A training YAML as a mapping. One that starts with `base: other.yaml` (relative to its own folder)
+    is that file's mapping with its own keys over it, a null deleting a key of the base."""
+    path = Path(path)
+    chain = (*_chain, path.resolve())
+    if not path.is_file():
+        if _chain:
+            raise ConfigError([f"{_chain[-1]}: base {path} does not exist"])
+        raise ConfigError([f"config file {path} does not exist (shipped: configs/*.yaml)"])
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError([f"{path} is not valid YAML: {err}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path} must hold a mapping of sections, got {type(data).__name__}"])
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError([f"{path}: base must be the path of another training YAML, got {base!r}"])
+    parent = (path.parent / Path(base).expanduser()).resolve()
+    if parent in chain:
+        cycle = " -> ".join(str(p) for p in (*chain[chain.index(parent) :], parent))
+        raise ConfigError([f"{path}: its bases form a cycle: {cycle}"])
+    return _merge(read_config_file(parent, chain), data)
 
 
 def with_sections(sections: dict[str, type] | None) -> type[Config]:
@@ -476,15 +507,7 @@ def load_config(argv: list[str], sections: dict[str, type] | None = None, transf
     if not argv or argv[0].startswith("--"):
         raise ConfigError(["the first argument must be a config YAML, e.g. configs/smoke.yaml"])
     path = Path(argv[0])
-    if not path.is_file():
-        raise ConfigError([f"config file {path} does not exist (shipped: configs/*.yaml)"])
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError([f"{path} is not valid YAML: {err}"]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([f"{path} must hold a mapping of sections, got {type(data).__name__}"])
-    data = _merge(data, parse_overrides(argv[1:]))
+    data = _merge(read_config_file(path), parse_overrides(argv[1:]))
     data.pop("provenance", None)  # a saved config.yaml records what trained it; not a setting
     problems: list[str] = []
     cfg = _build(with_sections(sections), data, "", problems)

@@ -121,20 +121,23 @@ def test_runs_record_which_recipe_and_commit_trained_them(mtp_run):
 
 
 def tinyblock_config(tmp_path) -> Path:
-    """configs/smoke.yaml with the model section of a `tinyblock`, the architecture of tests/forks/tinyblock.py."""
-    cfg = yaml.safe_load(rr.SMOKE.read_text())
-    cfg["model"] = {
-        "type": "tinyblock",
-        "imports": [str(TINYBLOCK)],
-        "overrides": {
-            "vocab_size": 8192,
-            "hidden_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        },
-    }
+    """configs/smoke.yaml with the model section of a `tinyblock`, the architecture of tests/forks/tinyblock.py
+    (as docs/models.md writes it: `base:` and null for the smoke model's fields a tinyblock lacks)."""
     path = tmp_path / "tinyblock.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(
+        f"base: {rr.SMOKE}\n"
+        "model:\n"
+        "  type: tinyblock\n"
+        f"  imports: [{TINYBLOCK}]\n"
+        "  overrides: {hidden_size: 32, num_attention_heads: 2, intermediate_size: null,\n"
+        "              num_key_value_heads: null, max_position_embeddings: null, tie_word_embeddings: null}\n"
+    )
+    assert load_config([str(path)]).model.overrides == {
+        "vocab_size": 8192,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+    }
     return path
 
 

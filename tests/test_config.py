@@ -234,3 +234,13 @@ def test_a_missing_base_and_a_cycle_of_bases_get_one_message_each(tmp_path):
     a.write_text("base: [b.yaml]\n")
     with pytest.raises(ConfigError, match="base must be the path of another training YAML"):
         load_config([str(a)])
+
+
+def test_the_former_allow_mismatch_switch_is_refused_with_the_names_it_takes():
+    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config([str(smoke), "--run.allow_mismatch=true"])
+    (problem,) = err.value.problems
+    assert problem.startswith("run.allow_mismatch=True is no longer a switch: it takes the names of the resume")
+    assert "from: sources, tokenizer, add_bos, seq_len," in problem and "micro_batch_size" in problem
+    assert load_config([str(smoke), "--run.allow_mismatch=[seq_len]"]).run.allow_mismatch == ["seq_len"]

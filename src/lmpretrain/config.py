@@ -510,6 +510,15 @@ def load_config(argv: list[str], sections: dict[str, type] | None = None, transf
     data = _merge(read_config_file(path), parse_overrides(argv[1:]))
     data.pop("provenance", None)  # a saved config.yaml records what trained it; not a setting
     problems: list[str] = []
+    run = data.get("run")
+    if isinstance(run, dict) and isinstance(run.get("allow_mismatch"), bool):  # the former switch
+        from lmpretrain.run.fingerprint import accepted_names
+
+        problems.append(
+            f"run.allow_mismatch={run.pop('allow_mismatch')} is no longer a switch: it takes the names of the "
+            "resume differences to accept (the refusal names them), e.g. --run.allow_mismatch=[micro_batch_size], "
+            f"from: {accepted_names(list(sections or ()))}"
+        )
     cfg = _build(with_sections(sections), data, "", problems)
     if problems:
         raise ConfigError(problems, source=str(path))

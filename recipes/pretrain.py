@@ -224,7 +224,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
             say(changes)
         if mixture := mixture_change(saved["fingerprint"], fingerprint, state.step):
             say(mixture)
-    batches = train_data.start()  # the first step's blocks are read now: a data position that no longer fits fails here
+    batches = train_data.start()  # reads the first step now: a saved position that no longer fits fails here
     if accelerator.is_main_process:  # only now: a refused resume writes nothing
         save_config(cfg, out / "config.yaml", provenance=made_by)
 

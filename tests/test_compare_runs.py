@@ -184,7 +184,9 @@ def test_keys_add_any_logged_metric_and_the_diff_shows_what_trained_each_run(tmp
     assert any(line.startswith("provenance.recipe") for line in lines)
 
 
-def test_keys_get_panels_and_the_digits_that_tell_runs_apart_wall_time_spans_resumes_long_values_wrap(tmp_path):
+def test_keys_get_panels_and_the_digits_that_tell_runs_apart_wall_time_spans_resumes_long_values_wrap(
+    tmp_path,
+):
     from lmpretrain.analysis.runs import format_config_diff, format_table, plot_runs
 
     runs = []

@@ -1,8 +1,8 @@
 """Config loading: YAML + overrides, unknown keys with suggestions, types, and cross-field rules."""
 
 import copy
-from pathlib import Path
 import os
+from pathlib import Path
 
 import pytest
 
@@ -217,7 +217,9 @@ def test_a_config_inherits_from_its_base_overrides_keys_and_null_deletes_them(tm
     assert load_config([str(grandchild)]).model.type == "gpt2"
     assert load_config([str(grandchild)]).train.max_steps == 3
     overrides = load_config([str(smoke), "--model.overrides.num_key_value_heads=null"]).model.overrides
-    assert "num_key_value_heads" not in overrides and overrides["intermediate_size"] == 176  # on the command line too
+    assert (
+        "num_key_value_heads" not in overrides and overrides["intermediate_size"] == 176
+    )  # on the command line too
 
 
 def test_a_missing_base_and_a_cycle_of_bases_get_one_message_each(tmp_path):
@@ -241,6 +243,8 @@ def test_the_former_allow_mismatch_switch_is_refused_with_the_names_it_takes():
     with pytest.raises(ConfigError) as err:
         load_config([str(smoke), "--run.allow_mismatch=true"])
     (problem,) = err.value.problems
-    assert problem.startswith("run.allow_mismatch=True is no longer a switch: it takes the names of the resume")
+    assert problem.startswith(
+        "run.allow_mismatch=True is no longer a switch: it takes the names of the resume"
+    )
     assert "from: sources, tokenizer, add_bos, seq_len," in problem and "micro_batch_size" in problem
     assert load_config([str(smoke), "--run.allow_mismatch=[seq_len]"]).run.allow_mismatch == ["seq_len"]

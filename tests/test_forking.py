@@ -260,7 +260,9 @@ def test_a_fork_sections_fields_are_checked_at_resume_unless_declared_free():
     with pytest.raises(CheckpointMismatchError, match=r"probe\.width: 8 -> 16"):
         check_fingerprint(saved, fingerprint("--probe.width=16"))
     lines = check_fingerprint(saved, fingerprint("--probe.width=16"), allow_mismatch=["probe.width"])
-    assert lines == ["WARNING: resuming across a fingerprint difference (run.allow_mismatch): probe.width: 8 -> 16"]
+    assert lines == [
+        "WARNING: resuming across a fingerprint difference (run.allow_mismatch): probe.width: 8 -> 16"
+    ]
     assert allow_mismatch_problems(["probe.width", "probe"], sections=["probe"]) == []
     assert "model.<field>, probe, probe.<field>" in allow_mismatch_problems(["prob"], sections=["probe"])[0]
     assert "probe" not in run_fingerprint(load_config([str(rr.SMOKE)]), 1, {}, model_config)

@@ -77,7 +77,9 @@ def test_the_term_is_logged_at_evaluation_and_refused_with_liger():
     objective = EntropyObjective(loss_impl="chunked", chunk_tokens=8, entropy_weight=0.3)
     objective.install(model)
     blocks = torch.randint(2, VOCAB, (4, 12), generator=torch.Generator().manual_seed(2))
-    evaluator = Evaluator(blocks, objective, MixedPrecision("no", torch.device("cpu")), 2, Accelerator(cpu=True))
+    evaluator = Evaluator(
+        blocks, objective, MixedPrecision("no", torch.device("cpu")), 2, Accelerator(cpu=True)
+    )
     metrics = evaluator(model)
     with torch.no_grad():
         logp = torch.log_softmax(type(model).forward(model, input_ids=blocks).logits[:, :-1].double(), dim=-1)

@@ -56,7 +56,17 @@ def test_provenance_names_the_commit_and_whether_the_checkout_is_dirty(tmp_path)
 def test_a_forks_own_files_are_hashed_and_an_untracked_one_makes_the_checkout_dirty(tmp_path, monkeypatch):
     from lmpretrain.config import load_config
 
-    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    git = [
+        "git",
+        "-C",
+        str(tmp_path),
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@t",
+        "-c",
+        "commit.gpgsign=false",
+    ]
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     recipe = tmp_path / "pretrain.py"
     recipe.write_text("1\n")
@@ -67,9 +77,7 @@ def test_a_forks_own_files_are_hashed_and_an_untracked_one_makes_the_checkout_di
     model.write_text("# a fork's architecture\n")  # untracked
     (tmp_path / "my_filters.py").write_text("def keep(text):\n    return text\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = load_config(
-        [str(SMOKE), f"--model.imports=[{model}]", "--data.transforms=[my_filters:keep]"]
-    )
+    cfg = load_config([str(SMOKE), f"--model.imports=[{model}]", "--data.transforms=[my_filters:keep]"])
     made = provenance(recipe, cfg)
     assert made["git_dirty"] is True  # the untracked fork files count
     assert made["files"] == {

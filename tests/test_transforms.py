@@ -14,7 +14,7 @@ from lmpretrain.data.transforms import load_transforms
 from lmpretrain.errors import CheckpointMismatchError, ConfigError, DataError
 from lmpretrain.run.fingerprint import check_fingerprint
 
-FILTERS = '''
+FILTERS = """
 def keep_long_lowercased(text, source):
     return text.lower() if len(text) >= 200 else None
 
@@ -25,7 +25,7 @@ def longest_only(text):
 
 def not_text(text, source):
     return 3
-'''
+"""
 
 
 @pytest.fixture
@@ -101,7 +101,9 @@ def test_a_transform_sees_a_long_document_whole(tmp_path, small_tokenizer, monke
 
 def test_the_held_out_set_is_transformed_like_training(corpus, small_tokenizer):
     path, long, _ = corpus
-    data = DataConfig(eval=[SourceSpec(files=[str(path)])], seq_len=16, transforms=["filters:keep_long_lowercased"])
+    data = DataConfig(
+        eval=[SourceSpec(files=[str(path)])], seq_len=16, transforms=["filters:keep_long_lowercased"]
+    )
     blocks = heldout_blocks(data, small_tokenizer, num_blocks=4)
     text = small_tokenizer.decode(blocks.flatten().tolist())
     assert "doc0 alpha beta" in text and "Doc0" not in text and "short" not in text.lower()
@@ -115,7 +117,9 @@ def test_bad_transforms_are_named_together_and_a_non_text_result_is_refused(corp
     assert "cannot import 'no_such_module_xyz'" in err.value.problems[1]
     assert "'filters' has no function 'missing'" in err.value.problems[2]
     path, _, _ = corpus
-    ts = make([SourceSpec(files=[str(path)])], small_tokenizer, num_streams=1, transforms=["filters:not_text"])
+    ts = make(
+        [SourceSpec(files=[str(path)])], small_tokenizer, num_streams=1, transforms=["filters:not_text"]
+    )
     with pytest.raises(DataError, match="filters:not_text returned int"):
         next(ts.start())
     ts.close()
@@ -155,3 +159,19 @@ def test_prepare_data_applies_the_transform_before_tokenizing(corpus, small_toke
         return sum(len(small_tokenizer(d, add_special_tokens=False)["input_ids"]) + 2 for d in docs)
 
     assert header["tokens"] == framed([d.lower() for d in long]) != framed(long)
+
+
+def test_a_forked_recipe_passes_functions_which_the_config_names_before_its_own(corpus):
+    import filters
+
+    from lmpretrain.config import load_config
+    from recipe_runner import SMOKE
+
+    cfg = load_config(
+        [str(SMOKE), "--data.transforms=[filters:longest_only]"], transforms=[filters.keep_long_lowercased]
+    )
+    assert cfg.data.transforms == ["filters:keep_long_lowercased", "filters:longest_only"]
+    assert [t.function for t in load_transforms(cfg.data.transforms).transforms] == [
+        filters.keep_long_lowercased,
+        filters.longest_only,
+    ]

@@ -105,7 +105,9 @@ def _series(run: Run, key: str) -> list[tuple[int, float]]:
 def _numeric_series(run: Run, key: str) -> list[tuple[int, float]]:
     """The (step, value) points of a metric whose values are numbers (booleans count as 0/1)."""
     return [
-        (r["step"], float(r[key])) for r in run.rows if isinstance(r.get(key), (int, float)) and r[key] is not None
+        (r["step"], float(r[key]))
+        for r in run.rows
+        if isinstance(r.get(key), (int, float)) and r[key] is not None
     ]
 
 

@@ -174,7 +174,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 # One pass over the chunk's logits, in place: shift by the row max, exponentiate, normalise.
                 logits = F.linear(h, w, b).to(acc)
                 extra_grad = None
-                if logit_terms:  # a fork's terms on this chunk's logits, differentiated here, before the in-place ops
+                if logit_terms:  # a fork's terms on these logits, differentiated before the in-place ops
                     with torch.enable_grad():
                         leaf = logits.detach().requires_grad_(want_grad)
                         weighted, sums = _logit_term_sums(leaf, y, keep, logit_terms)

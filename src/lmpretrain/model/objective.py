@@ -143,7 +143,11 @@ class LMObjective:
                 ]
             )
         install_loss_forward(model)
-        terms = [f"logit terms: {', '.join(f'{n} (weight {w:g})' for n, (w, _) in extra.items())}"] if extra else []
+        terms = (
+            [f"logit terms: {', '.join(f'{n} (weight {w:g})' for n, (w, _) in extra.items())}"]
+            if extra
+            else []
+        )
         return [self.describe(), *terms, *check_objective(model, self)]
 
     def terms(self, model, forward, targets: torch.Tensor, **inputs) -> dict[str, Term]:

@@ -175,3 +175,26 @@ def test_a_forked_recipe_passes_functions_which_the_config_names_before_its_own(
         filters.keep_long_lowercased,
         filters.longest_only,
     ]
+
+
+def test_with_other_transforms_a_restored_stream_goes_on_from_its_frontier(corpus, small_tokenizer):
+    """run.allow_data_change: the documents read past the trained blocks were transformed the old way,
+    so each stream goes on from the documents it would have read next, transformed the new way."""
+    path, long, _ = corpus
+    old = make([SourceSpec(files=[str(path)])], small_tokenizer, num_streams=1, shuffle="none",
+               transforms=["filters:keep_long_lowercased"])  # fmt: skip
+    it = old.start()
+    for _ in range(3):
+        next(it)
+    state = old.state_dict()
+    new = make([SourceSpec(files=[str(path)])], small_tokenizer, num_streams=1, shuffle="none")
+    new.load_state_dict(state)
+    frontier = state["streams"][0]["frontier"]["start"]
+    assert new._states[0]["docs"]["start"] == frontier and new._states[0]["emitted"] == 0
+    texts = [
+        t for began, t in documents(stream_tokens([next(new.start())], new)[0], small_tokenizer) if began
+    ]
+    originals = set(long) | {f"Short{i} Gamma" for i in range(4)}
+    assert texts and all(t in originals for t in texts)  # read on, no longer lower-cased nor filtered
+    old.close()
+    new.close()

@@ -190,10 +190,15 @@ def check_fingerprint(
             message.append(f"  data.transforms: {transforms}")
         if advice:
             message.append(f"note: {advice}")
-        if mixture_refused or transforms_refused:
+        if mixture_refused:
             message.append(
-                f"The training mixture and data.transforms may change at resume with {DATA_CHANGE_FLAG} "
-                f"(each stream goes on from the documents it would have read next)."
+                f"The training mixture may change at resume with {DATA_CHANGE_FLAG} (unchanged sources "
+                f"continue from their positions)."
+            )
+        if transforms_refused:
+            message.append(
+                f"data.transforms may change at resume with {DATA_CHANGE_FLAG} (each stream goes on from the "
+                "documents it would have read next)."
             )
         if refused:
             message.append(

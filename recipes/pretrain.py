@@ -87,9 +87,10 @@ from lmpretrain.update import (
 )
 
 
-def main(argv: list[str], sections: dict | None = None, objective=LMObjective) -> None:
-    """A fork passes its own config sections ({"name": dataclass}) and objective class (docs/forking.md)."""
-    cfg = load_config(argv, sections=sections)
+def main(argv: list[str], sections: dict | None = None, objective=LMObjective, transforms=()) -> None:
+    """A fork passes its own config sections ({"name": dataclass}), objective class and data transforms
+    (functions, run before data.transforms) (docs/forking.md)."""
+    cfg = load_config(argv, sections=sections, transforms=transforms)
     with ExitStack() as cleanup:  # everything opened below is closed here, however the run ends
         train(cfg, cleanup, objective, recipe=Path(sys.argv[0]))
 
@@ -165,6 +166,17 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     checkpointer = Checkpointer.from_config(out, accelerator, cfg.checkpoint, announce=accelerator.print)
     cleanup.callback(checkpointer.close)
     resume_from = checkpointer.resolve_resume(cfg.run.resume, cfg.run.overwrite)
+    fingerprint = run_fingerprint(cfg, W, train_data.fingerprint(), model_config)  # checked at resume
+    saved = checkpointer.metadata(resume_from) if resume_from else None
+    if saved:  # before the model is built: a refused resume costs seconds, and writes nothing
+        for line in check_fingerprint(
+            saved["fingerprint"],
+            fingerprint,
+            allow_mismatch=cfg.run.allow_mismatch,
+            lr=cfg.optim.lr,
+            allow_data_change=cfg.run.allow_data_change,
+        ):
+            say(line)
 
     # ---- Build: model and its objective, speed switches, optimizer, precision, wrapping ------------
     model = build_model(
@@ -193,8 +205,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     if deepspeed:
         say(precision.check_engine_weights(model))
     evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator, tokenizer)
-    fingerprint = run_fingerprint(cfg, W, train_data.fingerprint(), model_config)  # checked at resume
-    made_by = provenance(recipe)  # which recipe file, commit and packages trained this run
+    made_by = provenance(recipe, cfg)  # which recipe and fork files, commit and packages trained this run
     meter = MFUMeter.for_run(
         model_config, cfg.data.seq_len, accelerator.device, precision.dtype or torch.float32
     )
@@ -210,15 +221,6 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         "rng": PerRank(loop_rng),
     }
     if resume_from:
-        saved = checkpointer.metadata(resume_from)
-        for line in check_fingerprint(
-            saved["fingerprint"],
-            fingerprint,
-            allow_mismatch=cfg.run.allow_mismatch,
-            lr=cfg.optim.lr,
-            allow_data_change=cfg.run.allow_data_change,
-        ):
-            say(line)
         checkpointer.load(resume_from, model=model, optimizer=optimizer, states=states, averages=averages)
         say(f"resumed from {resume_from} at step {state.step}")
         if ema and "ema" not in saved.get("averages", []):
@@ -232,6 +234,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
             say(changes)
         if mixture := mixture_change(saved["fingerprint"], fingerprint, state.step):
             say(mixture)
+    batches = train_data.start()  # reads the first step now: a saved position that no longer fits fails here
     if accelerator.is_main_process:  # only now: a refused resume writes nothing
         save_config(cfg, out / "config.yaml", provenance=made_by)
 
@@ -269,7 +272,6 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
 
     # ---- The loop ---------------------------------------------------------------------------------
     model.train()
-    batches = iter(train_data)
     loop_rng.start()  # dropout's random numbers: seeded for a fresh run, the saved state for a resumed one
     preemption = cleanup.enter_context(PreemptionHandler())
     profiler = cleanup.enter_context(  # train.profile_steps; on CUDA an out-of-memory snapshot
@@ -352,10 +354,10 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     say(f"sample: {sample!r}")
 
 
-def cli(sections: dict | None = None, objective=LMObjective) -> None:
+def cli(sections: dict | None = None, objective=LMObjective, transforms=()) -> None:
     """The command line: main(sys.argv[1:]), then exit the process (a fork's entry point calls this too)."""
     try:
-        main(sys.argv[1:], sections, objective)
+        main(sys.argv[1:], sections, objective, transforms)
     except UserError as err:  # a problem to fix, not a bug: one message, no traceback
         runtime.exit_process(report_user_error(err))
     runtime.exit_process(0)  # see exit_process: a clean exit that gloo's threads cannot abort

@@ -4,10 +4,11 @@
     python scripts/compare_runs.py runs/a runs/b [--keys train/mtp ...] [--plot loss.png] [--assert-close 1e-4] [--wandb]
 
 Prints a table (steps, final train loss, final/best eval loss, final eval bits per byte, the EMA's
-final/best eval loss for runs with train.ema_decay, median tokens/s, wall time, and the last value of each
-metric named by --keys) and the config keys that differ (what
-trained each run included: recipe file and hash, commit, package versions), writes a PNG of loss vs
-tokens seen (default ``compare_runs.png``), and with
+final/best eval loss for runs with train.ema_decay, median tokens/s, wall time from the first step to the
+last, stops and resumes included, and the last value of each metric named by --keys; numbers with the
+digits that tell the runs apart, long values wrapped) and the config keys that differ (what trained each
+run included: recipe and fork files and their hashes, commit, package versions), writes a PNG of train and
+eval loss vs tokens seen and one panel per --keys metric (default ``compare_runs.png``), and with
 ``--assert-close TOL`` exits 1 when two runs' train-loss curves differ by more than TOL at a common
 step (for CI regression checks). Reads ``metrics.jsonl``, or the offline W&B files with ``--wandb``.
 """
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_config_diff(runs, config_diff(runs)))
     print()
-    print(f"plot: {plot_runs(runs, args.plot)}")
+    print(f"plot: {plot_runs(runs, args.plot, keys)}")
     if args.assert_close is not None:
         problems = check_close(runs, args.assert_close)
         for p in problems:

@@ -23,6 +23,7 @@ import time
 from lmpretrain.data import SourceSpec
 from lmpretrain.data.prepare import EXECUTORS, plan_prepare, run_prepare
 from lmpretrain.data.tokenizer import load_tokenizer
+from lmpretrain.data.transforms import load_transforms
 from lmpretrain.errors import UserError
 
 
@@ -62,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument("--mem-per-cpu-gb", type=float, default=2)
     cluster.add_argument("--venv-path", help="slurm: a virtualenv the jobs activate")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    parser.add_argument(
+        "--transform",
+        action="append",
+        default=[],
+        metavar="MODULE:FUNCTION",
+        help="a data transform applied to each document before tokenizing, as data.transforms (repeatable)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.executor == "slurm" and not args.partition:
@@ -92,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             add_bos=add_bos,
             overwrite=args.overwrite,
             tasks=args.tasks,
+            transforms=load_transforms(args.transform),
         )
         print(f"[lmpretrain] prepare: {prep.summary}; {args.tasks} {args.executor} tasks into {prep.out}")
         header = run_prepare(prep, args.executor, args.tasks, args.workers, **cluster)

@@ -13,7 +13,7 @@ from data_helpers import make, steps
 
 from lmpretrain.config import Config, load_config
 from lmpretrain.data import BatchRamp, SourceSpec, blocks_per_stream, load_tokenizer, merge_data_states
-from lmpretrain.data.token_files import write_token_files
+from lmpretrain.data.prepare import write_token_files
 from lmpretrain.errors import ConfigError
 from lmpretrain.preflight import preflight
 from lmpretrain.update import learning_rate
@@ -56,9 +56,7 @@ def test_a_ramped_stream_reads_what_the_constant_one_reads_and_resumes_exactly(
 ):
     paths = write_jsonl_shards(tmp_path / "d", [6, 4, 9, 3, 5, 7])
     if layout == "global":  # token files: every step draws the next blocks of a seeded permutation
-        write_token_files(
-            SourceSpec(files=paths), small_tokenizer, tmp_path / "t", processes=1, progress=False
-        )
+        write_token_files(SourceSpec(files=paths), small_tokenizer, tmp_path / "t")
         paths = [str(tmp_path / "t")]
     src, kw = [SourceSpec(files=paths)], {"num_workers": 2 if layout == "windows+workers" else 0}
     ramp = BatchRamp(8, 16, ((3 * 4 * 16, 4),))  # steps 1-3 take 4 blocks, then 8

@@ -196,3 +196,35 @@ def test_ema_columns_appear_for_runs_with_an_ema(tmp_path):
     table = format_table([summarize(a), s]).splitlines()
     assert "final ema loss" in table[0] and "best ema loss" in table[0]
     assert table[2].split()[6:8] == ["-", "-"] and table[3].split()[6:8] == [f"{3.0 - i:.4f}"] * 2
+
+
+def test_keys_get_panels_and_the_digits_that_tell_runs_apart_wall_time_spans_resumes_long_values_wrap(
+    tmp_path,
+):
+    from lmpretrain.analysis.runs import format_config_diff, format_table, plot_runs
+
+    runs = []
+    for name, value in {"a": 2.5000011, "b": 2.5000012}.items():
+        path = make_run_dir(tmp_path / name, lr=1e-3)
+        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        for r in rows:
+            r["train/entropy"] = value
+            r["perf/step_time_s"] = 1.5
+            if r["step"] > 10:  # stopped after step 10, resumed 60 s later
+                r["_timestamp"] += 60
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        config = yaml.safe_load((path / "config.yaml").read_text())
+        config["data"] = {"train": [{"files": [f"/data/{name}/shard-{i:04d}.jsonl" for i in range(30)]}]}
+        (path / "config.yaml").write_text(yaml.safe_dump(config))
+        runs.append(load_run(path))
+    keys = ("train/entropy", "train/lr", "eval/bpb")
+    table = format_table([summarize(r, keys) for r in runs], keys).splitlines()
+    assert table[2].split()[-3] == "2.5000011" and table[3].split()[-3] == "2.5000012"
+    assert table[2].split()[-2] == "0.001"  # equal values keep 4 significant digits
+    # steps 1..20 end at 1002..1040 plus the 60 s pause; step 1 itself took 1.5 s
+    assert summarize(runs[0])["wall_time_s"] == pytest.approx(38.0 + 60 + 1.5)
+    diff = format_config_diff(runs, config_diff(runs))
+    assert "shard-0029.jsonl" in diff and max(len(line) for line in diff.splitlines()) < 2 * 60 + 40
+    png = plot_runs(runs, tmp_path / "p.png", keys)
+    width, height = (int.from_bytes(png.read_bytes()[i : i + 4], "big") for i in (16, 20))
+    assert (width, height) == (1800, 900)  # train loss, eval loss and the 3 keys: 2 rows of 3 panels

@@ -1,6 +1,8 @@
 """Config loading: YAML + overrides, unknown keys with suggestions, types, and cross-field rules."""
 
 import copy
+import os
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +184,67 @@ def test_overrides_on_a_pretrained_config_are_applied_or_refused(tmp_path):
     )
     with pytest.raises(ConfigError, match="model.overrides.hiden_size \\(did you mean 'hidden_size'\\?\\)"):
         build_model_config(bad.model)
+
+
+# ---- base: a training YAML on top of another ------------------------------------------------------------------
+
+
+def test_a_config_inherits_from_its_base_overrides_keys_and_null_deletes_them(tmp_path):
+    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    (tmp_path / "sub").mkdir()
+    child = tmp_path / "sub" / "gpt2.yaml"
+    child.write_text(
+        f"base: {os.path.relpath(smoke, child.parent)}\n"  # relative to the file itself
+        "model:\n  type: gpt2\n  overrides: {num_key_value_heads: null, intermediate_size: null, n_positions: 128}\n"
+        "train: {max_steps: 7}\n"
+        "eval: {sample_tokens: null}\n"
+    )
+    cfg = load_config([str(child), "--optim.lr=1e-3"])
+    assert cfg.model.type == "gpt2" and cfg.train.max_steps == 7 and cfg.optim.lr == 1e-3
+    assert cfg.model.overrides == {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 128,
+        "vocab_size": 8192,
+        "tie_word_embeddings": True,
+        "n_positions": 128,
+    }
+    assert cfg.train.micro_batch_size == 4  # from the base
+    assert cfg.eval.sample_tokens == 48  # deleted: the field's default
+    grandchild = tmp_path / "short.yaml"
+    grandchild.write_text("base: sub/gpt2.yaml\ntrain: {max_steps: 3}\n")
+    assert load_config([str(grandchild)]).model.type == "gpt2"
+    assert load_config([str(grandchild)]).train.max_steps == 3
+    overrides = load_config([str(smoke), "--model.overrides.num_key_value_heads=null"]).model.overrides
+    assert (
+        "num_key_value_heads" not in overrides and overrides["intermediate_size"] == 176
+    )  # on the command line too
+
+
+def test_a_missing_base_and_a_cycle_of_bases_get_one_message_each(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("base: b.yaml\n")
+    b.write_text("base: a.yaml\ntrain: {max_steps: 3}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([str(a)])
+    assert err.value.problems == [f"{b}: its bases form a cycle: {a} -> {b} -> {a}"]
+    a.write_text("base: nowhere.yaml\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([str(a)])
+    assert err.value.problems == [f"{a.resolve()}: base {tmp_path / 'nowhere.yaml'} does not exist"]
+    a.write_text("base: [b.yaml]\n")
+    with pytest.raises(ConfigError, match="base must be the path of another training YAML"):
+        load_config([str(a)])
+
+
+def test_the_former_allow_mismatch_switch_is_refused_with_the_names_it_takes():
+    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config([str(smoke), "--run.allow_mismatch=true"])
+    (problem,) = err.value.problems
+    assert problem.startswith(
+        "run.allow_mismatch=True is no longer a switch: it takes the names of the resume"
+    )
+    assert "from: sources, tokenizer, add_bos, seq_len," in problem and "micro_batch_size" in problem
+    assert load_config([str(smoke), "--run.allow_mismatch=[seq_len]"]).run.allow_mismatch == ["seq_len"]

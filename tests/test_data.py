@@ -437,7 +437,7 @@ def test_fingerprint_and_state_are_plain_data(tmp_path, small_tokenizer):
     assert {"window", "emitted", "docs", "frontier", "tokens"} == set(stream)
     assert len(stream["docs"]["start"]["sources"]) == 1 and len(stream["tokens"]) == 1
     position = stream["docs"]["start"]["sources"][0]
-    assert set(position) == {"epoch", "slot", "at", "segment", "seen", "skipped"}
+    assert set(position) == {"epoch", "slot", "at", "segment", "seen", "skipped", "filtered"}
 
 
 def test_bad_held_out_records_are_skipped_and_reported(tmp_path, small_tokenizer, caplog):

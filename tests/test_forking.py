@@ -121,20 +121,23 @@ def test_runs_record_which_recipe_and_commit_trained_them(mtp_run):
 
 
 def tinyblock_config(tmp_path) -> Path:
-    """configs/smoke.yaml with the model section of a `tinyblock`, the architecture of tests/forks/tinyblock.py."""
-    cfg = yaml.safe_load(rr.SMOKE.read_text())
-    cfg["model"] = {
-        "type": "tinyblock",
-        "imports": [str(TINYBLOCK)],
-        "overrides": {
-            "vocab_size": 8192,
-            "hidden_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        },
-    }
+    """configs/smoke.yaml with the model section of a `tinyblock`, the architecture of tests/forks/tinyblock.py
+    (as docs/models.md writes it: `base:` and null for the smoke model's fields a tinyblock lacks)."""
     path = tmp_path / "tinyblock.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(
+        f"base: {rr.SMOKE}\n"
+        "model:\n"
+        "  type: tinyblock\n"
+        f"  imports: [{TINYBLOCK}]\n"
+        "  overrides: {hidden_size: 32, num_attention_heads: 2, intermediate_size: null,\n"
+        "              num_key_value_heads: null, max_position_embeddings: null, tie_word_embeddings: null}\n"
+    )
+    assert load_config([str(path)]).model.overrides == {
+        "vocab_size": 8192,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+    }
     return path
 
 
@@ -180,3 +183,86 @@ def test_a_missing_piece_of_the_model_contract_is_named_before_any_work(tmp_path
     assert run.returncode == 2
     assert "TinyBlockForCausalLM.supports_gradient_checkpointing is not true" in run.output
     assert "parameters; optimizer groups" not in run.output  # refused before the model was built
+
+
+# ---- a data fork: a transform named in data.transforms -------------------------------------------------------
+
+LOWERCASE_LONG = "--data.transforms=[examples/data_transforms.py:keep_long_lowercased]"
+
+
+@pytest.mark.slow
+def test_a_data_transform_trains_resumes_bit_identically_after_kill_9_and_a_changed_one_is_refused(tmp_path):
+    args = [*rr.QUICK, LOWERCASE_LONG, "--train.max_steps=12", "--checkpoint.every=4", "--eval.every=4"]
+    args.append("--logging.wandb_mode=disabled")
+    straight = rr.run(tmp_path / "straight", *args)
+    assert "transforms: examples/data_transforms.py:keep_long_lowercased" in straight.output
+    out = tmp_path / "killed"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = rr.start(out, *args, log=log)
+        rr.wait_for_step(proc, out, 6)
+        rr.kill_tree(proc, signal.SIGKILL)
+        proc.wait(timeout=120)
+    assert rr.read_metrics(out)[-1]["step"] < 12, "the run finished before it could be killed"
+    resumed = rr.run(out, *args)
+    assert "resumed from" in resumed.output
+    assert rr.file_sha256(straight.out / "final" / "model.safetensors") == rr.file_sha256(
+        out / "final" / "model.safetensors"
+    )
+    counted = {r["step"]: r["train/filtered_docs"] for r in straight.metrics() if "train/filtered_docs" in r}
+    assert len(counted) == 12 and counted[12] > 0  # short documents were dropped, and counted
+    assert {r["step"]: r["train/filtered_docs"] for r in rr.read_metrics(out) if r["step"] > 8} == {
+        s: n for s, n in counted.items() if s > 8
+    }
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["data"]["transforms"] == ["examples/data_transforms.py:keep_long_lowercased"]
+
+    config = out / "config.yaml"
+    before = (config.stat().st_mtime_ns, rr.file_sha256(config))
+    other = "--data.transforms=[examples/data_transforms.py:keep_long]"
+    kept = [a for a in args if a != LOWERCASE_LONG]
+    refused = rr.run(out, *kept, other, "--train.max_steps=16", check=False, launcher=rr.LAUNCHER)
+    assert refused.returncode == 2
+    assert (
+        "data.transforms: ['examples/data_transforms.py:keep_long_lowercased'] -> "
+        "['examples/data_transforms.py:keep_long']" in refused.output
+    )
+    assert "--run.allow_data_change=true" in refused.output
+    assert "parameters; optimizer groups" not in refused.output  # refused before the model was built
+    assert (config.stat().st_mtime_ns, rr.file_sha256(config)) == before
+
+
+# ---- a fork section's fields are part of the resume fingerprint ---------------------------------------------
+
+
+def test_a_fork_sections_fields_are_checked_at_resume_unless_declared_free():
+    from dataclasses import dataclass, field
+
+    from transformers import LlamaConfig
+
+    from lmpretrain.errors import CheckpointMismatchError
+    from lmpretrain.run.fingerprint import allow_mismatch_problems, check_fingerprint, run_fingerprint
+
+    @dataclass
+    class Probe:
+        width: int = 8
+        log_every: int = field(default=10, metadata={"resume": "free"})  # may change at resume
+
+    sections = {"probe": Probe}
+    model_config = LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+
+    def fingerprint(*args):
+        cfg = load_config([str(rr.SMOKE), *args], sections=sections)
+        return run_fingerprint(cfg, 1, {"seq_len": 64}, model_config)
+
+    saved = fingerprint()
+    assert saved["probe"] == {"width": 8}
+    assert check_fingerprint(saved, fingerprint("--probe.log_every=1")) == []
+    with pytest.raises(CheckpointMismatchError, match=r"probe\.width: 8 -> 16"):
+        check_fingerprint(saved, fingerprint("--probe.width=16"))
+    lines = check_fingerprint(saved, fingerprint("--probe.width=16"), allow_mismatch=["probe.width"])
+    assert lines == [
+        "WARNING: resuming across a fingerprint difference (run.allow_mismatch): probe.width: 8 -> 16"
+    ]
+    assert allow_mismatch_problems(["probe.width", "probe"], sections=["probe"]) == []
+    assert "model.<field>, probe, probe.<field>" in allow_mismatch_problems(["prob"], sections=["probe"])[0]
+    assert "probe" not in run_fingerprint(load_config([str(rr.SMOKE)]), 1, {}, model_config)

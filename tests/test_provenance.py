@@ -3,10 +3,13 @@
 import hashlib
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from lmpretrain.run.provenance import provenance
+
+SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
 
 def test_provenance_outside_a_checkout(tmp_path):
@@ -47,3 +50,40 @@ def test_provenance_names_the_commit_and_whether_the_checkout_is_dirty(tmp_path)
     dirty = provenance(recipe)
     assert (dirty["git_commit"], dirty["git_dirty"]) == (head, True)
     assert dirty["recipe_sha256"] != clean["recipe_sha256"]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs the git command")
+def test_a_forks_own_files_are_hashed_and_an_untracked_one_makes_the_checkout_dirty(tmp_path, monkeypatch):
+    from lmpretrain.config import load_config
+
+    git = [
+        "git",
+        "-C",
+        str(tmp_path),
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@t",
+        "-c",
+        "commit.gpgsign=false",
+    ]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    recipe = tmp_path / "pretrain.py"
+    recipe.write_text("1\n")
+    subprocess.run([*git, "add", "pretrain.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    assert provenance(recipe)["git_dirty"] is False
+    model = tmp_path / "my_model.py"
+    model.write_text("# a fork's architecture\n")  # untracked
+    (tmp_path / "my_filters.py").write_text("def keep(text):\n    return text\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config([str(SMOKE), f"--model.imports=[{model}]", "--data.transforms=[my_filters:keep]"])
+    made = provenance(recipe, cfg)
+    assert made["git_dirty"] is True  # the untracked fork files count
+    assert made["files"] == {
+        str(model.resolve()): hashlib.sha256(model.read_bytes()).hexdigest(),
+        str((tmp_path / "my_filters.py").resolve()): hashlib.sha256(
+            (tmp_path / "my_filters.py").read_bytes()
+        ).hexdigest(),
+    }
+    assert "files" not in provenance(recipe, load_config([str(SMOKE)]))

@@ -147,6 +147,12 @@ class DataConfig:
     add_bos: bool | None = None
     """BOS before each document; null = true when the tokenizer has a BOS token distinct from EOS (the
     builtin one has). Recorded in the resume fingerprint."""
+    transforms: list[str] = field(default_factory=list)
+    """A fork's functions over each document's text, `module:function` or `path/to/file.py:function`, run in
+    order: f(text, source label) returns the text to tokenize or None to drop the document (counted in
+    train/filtered_docs). Applied to every text source, training and held-out (token files are read as
+    prepared: scripts/prepare_data.py --transform); names and file hashes are in the resume fingerprint
+    (docs/forking.md)."""
 
 
 @dataclass
@@ -449,13 +455,44 @@ def parse_overrides(args: list[str]) -> dict:
 
 
 def _merge(base: dict, over: dict) -> dict:
+    """`over`'s keys over `base`'s, mappings merged key by key; a null in `over` deletes the key from
+    `base` (the field's default then applies; a model.overrides entry is dropped)."""
     out = dict(base)
     for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if value is None and key in out:
+            del out[key]
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:
             out[key] = value
     return out
+
+
+def read_config_file(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """A training YAML as a mapping. One that starts with `base: other.yaml` (relative to its own folder)
+    is that file's mapping with its own keys over it, a null deleting a key of the base."""
+    path = Path(path)
+    chain = (*_chain, path.resolve())
+    if not path.is_file():
+        if _chain:
+            raise ConfigError([f"{_chain[-1]}: base {path} does not exist"])
+        raise ConfigError([f"config file {path} does not exist (shipped: configs/*.yaml)"])
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError([f"{path} is not valid YAML: {err}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path} must hold a mapping of sections, got {type(data).__name__}"])
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError([f"{path}: base must be the path of another training YAML, got {base!r}"])
+    parent = (path.parent / Path(base).expanduser()).resolve()
+    if parent in chain:
+        cycle = " -> ".join(str(p) for p in (*chain[chain.index(parent) :], parent))
+        raise ConfigError([f"{path}: its bases form a cycle: {cycle}"])
+    return _merge(read_config_file(parent, chain), data)
 
 
 def with_sections(sections: dict[str, type] | None) -> type[Config]:
@@ -475,28 +512,41 @@ def with_sections(sections: dict[str, type] | None) -> type[Config]:
     return dataclasses.make_dataclass("Config", extra, bases=(Config,))
 
 
-def load_config(argv: list[str], sections: dict[str, type] | None = None) -> Config:
+def fork_sections(cfg: Config) -> list[str]:
+    """The names of the config sections a fork added (with_sections), in order."""
+    builtin = {f.name for f in dataclasses.fields(Config)}
+    return [f.name for f in dataclasses.fields(cfg) if f.name not in builtin]
+
+
+def load_config(argv: list[str], sections: dict[str, type] | None = None, transforms=()) -> Config:
     """`argv` = [path/to/config.yaml, --section.field=value, ...] -> a typed Config (or ConfigError).
 
-    `sections`: a fork's own config sections, see `with_sections`."""
+    `sections`: a fork's own config sections, see `with_sections`; `transforms`: a forked recipe's data
+    transforms (functions), named in data.transforms before the config's own."""
     if not argv or argv[0].startswith("--"):
         raise ConfigError(["the first argument must be a config YAML, e.g. configs/smoke.yaml"])
     path = Path(argv[0])
-    if not path.is_file():
-        raise ConfigError([f"config file {path} does not exist (shipped: configs/*.yaml)"])
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError([f"{path} is not valid YAML: {err}"]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([f"{path} must hold a mapping of sections, got {type(data).__name__}"])
-    data = _merge(data, parse_overrides(argv[1:]))
+    data = _merge(read_config_file(path), parse_overrides(argv[1:]))
     data.pop("provenance", None)  # a saved config.yaml records what trained it; not a setting
     problems: list[str] = []
+    run = data.get("run")
+    if isinstance(run, dict) and isinstance(run.get("allow_mismatch"), bool):  # the former switch
+        from lmpretrain.run.fingerprint import accepted_names
+
+        problems.append(
+            f"run.allow_mismatch={run.pop('allow_mismatch')} is no longer a switch: it takes the names of the "
+            "resume differences to accept (the refusal names them), e.g. --run.allow_mismatch=[micro_batch_size], "
+            f"from: {accepted_names(list(sections or ()))}"
+        )
     cfg = _build(with_sections(sections), data, "", problems)
     if problems:
         raise ConfigError(problems, source=str(path))
     cfg.config_path = str(path)
+    if transforms:
+        from lmpretrain.data.transforms import transform_name
+
+        names = [transform_name(f) for f in transforms]
+        cfg.data.transforms = names + [n for n in cfg.data.transforms if n not in names]
     return cfg
 
 

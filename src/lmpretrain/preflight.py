@@ -9,7 +9,7 @@ built model (its logits and masks on a few tokens) run right after the build (LM
 from __future__ import annotations
 
 from lmpretrain.checkpoint.checkpointer import checkpoint_problems
-from lmpretrain.config import Config, config_problems
+from lmpretrain.config import Config, config_problems, fork_sections
 from lmpretrain.errors import ConfigError
 from lmpretrain.model.build import build_model_config, causal_lm_class, contract_problems
 from lmpretrain.model.speed import kernel_problems
@@ -21,7 +21,9 @@ from lmpretrain.update.muon import muon_problems
 def preflight(cfg: Config, sharding: str, world_size: int, tokenizer):
     """The model config of the run, or one ConfigError listing every problem found."""
     problems = config_problems(cfg, world_size)
-    problems += allow_mismatch_problems([n for n in cfg.run.allow_mismatch if n is not None])
+    problems += allow_mismatch_problems(
+        [n for n in cfg.run.allow_mismatch if n is not None], sections=fork_sections(cfg)
+    )
     model_config = None
     try:
         model_config = build_model_config(cfg.model, tokenizer)

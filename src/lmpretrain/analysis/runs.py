@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ LOSS_KEY = "train/loss"
 EVAL_KEY = "eval/loss"
 BPB_KEY = "eval/bpb"  # bits per byte: comparable across tokenizers, unlike the loss per token
 TOKENS_KEY = "train/tokens_seen"
+WRAP = 60  # characters of a table cell or config value per line; longer ones wrap onto more lines
 
 
 @dataclass
@@ -65,7 +67,7 @@ def load_run(run_dir: str | Path, source: str = "metrics") -> Run:
     elif source == "wandb":
         wandb_run = read_offline_history(run_dir)
         rows = [
-            {"step": r["_step"], **{k: v for k, v in r.items() if not k.startswith("_")}}
+            {"step": r["_step"], **{k: v for k, v in r.items() if not k.startswith("_") or k == "_timestamp"}}
             for r in wandb_run["history"]
             if "_step" in r
         ]
@@ -100,13 +102,21 @@ def _series(run: Run, key: str) -> list[tuple[int, float]]:
     return [(r["step"], float(r[key])) for r in run.rows if r.get(key) is not None]
 
 
+def _numeric_series(run: Run, key: str) -> list[tuple[int, float]]:
+    """The (step, value) points of a metric whose values are numbers (booleans count as 0/1)."""
+    return [
+        (r["step"], float(r[key]))
+        for r in run.rows
+        if isinstance(r.get(key), (int, float)) and r[key] is not None
+    ]
+
+
 def summarize(run: Run, keys: tuple[str, ...] = ()) -> dict:
     """Steps, final train loss, final/best eval loss, final eval bpb, median tokens/s, wall time of a run,
     and the last logged value of each of `keys` (any metric: a fork's `train/<term>`, `eval/...`)."""
     train, evals, bpb = _series(run, LOSS_KEY), _series(run, EVAL_KEY), _series(run, BPB_KEY)
     ema = _series(run, "eval/ema/loss")  # train.ema_decay: the average's held-out loss
     tps = [v for _, v in _series(run, "perf/tokens_per_s")]
-    stamps = [r["_timestamp"] for r in run.rows if "_timestamp" in r]
     return {
         "run": run.name,
         "steps": run.rows[-1]["step"] if run.rows else 0,
@@ -117,39 +127,86 @@ def summarize(run: Run, keys: tuple[str, ...] = ()) -> dict:
         "final_ema_loss": ema[-1][1] if ema else None,
         "best_ema_loss": min(v for _, v in ema) if ema else None,
         "tokens_per_s_median": statistics.median(tps) if tps else None,
-        # first to last logged step; includes any pause between a stop and its resume
-        "wall_time_s": stamps[-1] - stamps[0] if len(stamps) > 1 else None,
-        **{key: (_series(run, key) or [(None, None)])[-1][1] for key in keys},
+        "wall_time_s": wall_time(run),
+        **{key: _last(run, key) for key in keys},
     }
 
 
+def wall_time(run: Run) -> float | None:
+    """Seconds from the start of the first logged step to the end of the last one, over every stop and
+    resume (metrics.jsonl keeps the rows up to the resumed step): the rows' timestamps are taken at the end
+    of each step, so the first step's own time is added."""
+    stamps = [(r["_timestamp"], r) for r in run.rows if "_timestamp" in r]
+    if len(stamps) < 2:
+        return None
+    first, last = min(stamps, key=lambda x: x[0]), max(stamps, key=lambda x: x[0])
+    return last[0] - first[0] + float(first[1].get("perf/step_time_s") or 0.0)
+
+
+def _last(run: Run, key: str):
+    """The last logged value of a metric (any type), None when never logged."""
+    values = [r[key] for r in run.rows if r.get(key) is not None]
+    return values[-1] if values else None
+
+
+def _digits(values: list, kind: str) -> int:
+    """Digits (decimals for kind "f", significant ones for "g") that tell the distinct numbers of a column
+    apart: at least 4, at most 12."""
+    numbers = [v for v in values if isinstance(v, float)]
+    for digits in range(4, 13):
+        if len({f"{v:.{digits}{kind}}" for v in numbers}) == len(set(numbers)):
+            return digits
+    return 12
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    return fmt.format(value) if isinstance(value, float) else str(value)
+
+
 def format_table(summaries: list[dict], keys: tuple[str, ...] = ()) -> str:
-    """A fixed-width text table of :func:`summarize` results (`keys`: the extra metrics asked for)."""
+    """A fixed-width text table of :func:`summarize` results (`keys`: the extra metrics asked for). Numbers
+    get the digits that tell the runs apart (at least 4 significant); long values wrap onto more lines."""
+    fixed = {"tokens_per_s_median": "{:.0f}", "wall_time_s": "{:.1f}", "run": "{}", "steps": "{}"}
     cols = [
-        ("run", "run", "{}"),
-        ("steps", "steps", "{}"),
-        ("final_train_loss", "final train loss", "{:.4f}"),
-        ("final_eval_loss", "final eval loss", "{:.4f}"),
-        ("best_eval_loss", "best eval loss", "{:.4f}"),
-        ("final_eval_bpb", "final eval bpb", "{:.4f}"),
-        ("final_ema_loss", "final ema loss", "{:.4f}"),
-        ("best_ema_loss", "best ema loss", "{:.4f}"),
-        ("tokens_per_s_median", "tokens/s (median)", "{:.0f}"),
-        ("wall_time_s", "wall time (s)", "{:.1f}"),
-        *((key, key, "{:.4g}") for key in keys),
+        ("run", "run"),
+        ("steps", "steps"),
+        ("final_train_loss", "final train loss"),
+        ("final_eval_loss", "final eval loss"),
+        ("best_eval_loss", "best eval loss"),
+        ("final_eval_bpb", "final eval bpb"),
+        ("final_ema_loss", "final ema loss"),
+        ("best_ema_loss", "best ema loss"),
+        ("tokens_per_s_median", "tokens/s (median)"),
+        ("wall_time_s", "wall time (s)"),
+        *((key, key) for key in keys),
     ]
     optional = ("final_ema_loss", "best_ema_loss")  # shown when a run has them
     cols = [c for c in cols if c[0] not in optional or any(s.get(c[0]) is not None for s in summaries)]
-    cells = [[title for _, title, _ in cols]]
+    rows = [[[title] for _, title in cols]]
+    formats = dict(fixed)
+    for k, _ in cols:
+        if k not in fixed:  # the losses in decimals, a fork's metrics in significant digits
+            kind = "g" if k in keys else "f"
+            formats[k] = f"{{:.{_digits([s[k] for s in summaries], kind)}{kind}}}"
     for s in summaries:
-        cells.append(["-" if s[k] is None else fmt.format(s[k]) for k, _, fmt in cols])
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    lines = [
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in cells
-    ]
+        row = []
+        for k, _ in cols:
+            text = _cell(s[k], formats[k])
+            row.append(textwrap.wrap(text, WRAP) or [text])
+        rows.append(row)
+    widths = [max(len(line) for row in rows for line in row[i]) for i in range(len(cols))]
+    lines = []
+    for row in rows:
+        for n in range(max(len(cell) for cell in row)):  # a wrapped cell takes more lines
+            parts = [cell[n] if n < len(cell) else "" for cell in row]
+            lines.append(
+                "  ".join(
+                    c.ljust(w) if i == 0 or len(row[i]) > 1 else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(parts, widths, strict=True))
+                ).rstrip()
+            )
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -172,8 +229,14 @@ def format_config_diff(runs: list[Run], diff: dict[str, list[Any]]) -> str:
     if not diff:
         return "configs: identical"
     cells = [["key", *(r.name for r in runs)]] + [[k, *(repr(v) for v in vals)] for k, vals in diff.items()]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells)
+    wrapped = [[textwrap.wrap(c, WRAP) or [c] for c in row] for row in cells]  # long values: more lines
+    widths = [max(len(line) for row in wrapped for line in row[i]) for i in range(len(cells[0]))]
+    lines = []
+    for row in wrapped:
+        for n in range(max(len(cell) for cell in row)):
+            parts = [cell[n] if n < len(cell) else "" for cell in row]
+            lines.append("  ".join(c.ljust(w) for c, w in zip(parts, widths, strict=True)).rstrip())
+    return "\n".join(lines)
 
 
 def curve_distance(a: Run, b: Run, key: str = LOSS_KEY) -> tuple[float, int]:
@@ -206,35 +269,42 @@ def check_close(runs: list[Run], tol: float, key: str = LOSS_KEY) -> list[str]:
     return problems
 
 
-def plot_runs(runs: list[Run], out: str | Path) -> Path:
-    """PNG with train loss (left) and eval loss (right) vs tokens seen, one line per run."""
+def plot_runs(runs: list[Run], out: str | Path, keys: tuple[str, ...] = ()) -> Path:
+    """PNG with train loss and eval loss vs tokens seen, then one panel per metric of `keys`, one line per
+    run (three panels a row)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    panels = [LOSS_KEY, EVAL_KEY, *(k for k in keys if k not in (LOSS_KEY, EVAL_KEY))]
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, grid = plt.subplots(rows, columns, figsize=(6 * columns, 4.5 * rows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
     x_is_tokens = all(any(TOKENS_KEY in r for r in run.rows) for run in runs)
     for run in runs:
         tokens, last = {}, 0
         for r in run.rows:  # eval rows without tokens seen take the last value before them
             last = r.get(TOKENS_KEY, last)
             tokens[r["step"]] = last
-        for ax, key in zip(axes, (LOSS_KEY, EVAL_KEY), strict=True):
-            pts = _series(run, key)
+        for ax, key in zip(axes, panels, strict=False):
+            pts = _numeric_series(run, key)
             if pts:
                 xs = [tokens[s] if x_is_tokens else s for s, _ in pts]
                 ax.plot(
                     xs,
                     [v for _, v in pts],
-                    marker="o" if key == EVAL_KEY else None,
+                    marker="o" if key.startswith("eval/") or len(pts) < 30 else None,
                     markersize=3,
                     label=run.name,
                 )
-    for ax, title in zip(axes, ("train loss", "eval loss"), strict=True):
-        ax.set_title(title)
+    for ax, key in zip(axes, panels, strict=False):
+        ax.set_title({LOSS_KEY: "train loss", EVAL_KEY: "eval loss"}.get(key, key))
         ax.set_xlabel("tokens seen" if x_is_tokens else "step")
-        ax.set_ylabel("loss")
+        ax.set_ylabel("loss" if key in (LOSS_KEY, EVAL_KEY) else key.rsplit("/", 1)[-1])
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)

@@ -121,11 +121,12 @@ class BlockStream:
     def records_read(self) -> int:
         return sum(c.records_read for c in self.cursors)
 
-    def progress(self) -> tuple[int, int, list[int]]:
-        """(completed epochs of the first source, bad records skipped, tokens per source emitted) as read so
-        far: after a step's blocks this depends only on the step (blocks are read a whole block window at a
-        time), so a resumed run reports what the uninterrupted one does."""
-        return self.cursors[0].epoch, sum(c.skipped for c in self.cursors), self.tokens.tolist()
+    def progress(self) -> tuple[int, int, list[int], int]:
+        """(completed epochs of the first source, bad records skipped, tokens per source emitted, documents
+        data.transforms dropped) as read so far: after a step's blocks this depends only on the step (blocks
+        are read a whole block window at a time), so a resumed run reports what the uninterrupted one does."""
+        skipped, filtered = sum(c.skipped for c in self.cursors), sum(c.filtered for c in self.cursors)
+        return self.cursors[0].epoch, skipped, self.tokens.tolist(), filtered
 
     def take_notes(self) -> list[tuple[str, str]]:
         """Reports of bad records made since the last call."""

@@ -11,6 +11,7 @@ import numpy as np
 
 from lmpretrain.data.readers import Bad, Unit, line_number
 from lmpretrain.data.sources import Source
+from lmpretrain.data.transforms import Dropped
 from lmpretrain.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class SourceCursor:
         self.pieces = [pieces[u] for u in owned]
         self.seed, self.shuffle = seed, shuffle
         self.epoch = self.slot = self.segment = self.seen = self.skipped = 0
+        self.filtered = 0  # documents data.transforms dropped
         self.at: list[int] | None = None  # position in the current piece (None: its start)
         self.records_read = 0  # items pulled from readers, ours or not (tests and benchmarks)
         self.notes: list[tuple[str, str]] = []  # (source label, report) of bad records, once per process
@@ -57,7 +59,7 @@ class SourceCursor:
 
     @staticmethod
     def initial_position() -> dict:
-        return {"epoch": 0, "slot": 0, "at": None, "segment": 0, "seen": 0, "skipped": 0}
+        return {"epoch": 0, "slot": 0, "at": None, "segment": 0, "seen": 0, "skipped": 0, "filtered": 0}
 
     def position(self) -> dict:
         """Plain-data position: epoch, slot in the epoch's piece order, place in the piece, counters."""
@@ -68,6 +70,7 @@ class SourceCursor:
             "segment": self.segment,
             "seen": self.seen,
             "skipped": self.skipped,
+            "filtered": self.filtered,
         }
 
     def seek(self, position: dict) -> None:
@@ -76,6 +79,7 @@ class SourceCursor:
         self.at = None if position["at"] is None else [int(x) for x in position["at"]]
         self.segment, self.seen = int(position["segment"]), int(position["seen"])
         self.skipped = int(position["skipped"])
+        self.filtered = int(position.get("filtered", 0))  # (positions saved before data.transforms)
 
     def close(self) -> None:
         """Close the open piece reader (its file) now."""
@@ -110,6 +114,12 @@ class SourceCursor:
                 continue
             self.records_read += 1
             ours = self.segment % self.keep_every == self.phase
+            if isinstance(item, Dropped):  # a whole document a data transform dropped: not a bad record
+                self.at, self.segment = item.after, self.segment + 1
+                if ours:
+                    self.seen += 1
+                    self.filtered += 1
+                continue
             if isinstance(item, Bad):
                 if item.after is not None:  # a whole record (not a line inside a text unit)
                     self.at = item.after
@@ -146,8 +156,8 @@ class SourceCursor:
         return DataError(
             f"source {self.source.label} has too few documents for {self.num_streams} streams: stream "
             f"{self.stream} found no usable document in a full pass over its share ({shown}, keeping 1 "
-            f"document in {self.keep_every}; {self.skipped} bad records skipped). Lower data.num_streams or "
-            "add data (empty corpus?)"
+            f"document in {self.keep_every}; {self.skipped} bad records skipped, {self.filtered} documents dropped by "
+            "data.transforms). Lower data.num_streams or add data (empty corpus? a transform that drops everything?)"
         )
 
 

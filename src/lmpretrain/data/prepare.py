@@ -44,16 +44,17 @@ _BATCH_DOCS, _BATCH_CHARS = 256, 1 << 20  # documents tokenized per call
 
 class SourceReader(BaseReader):
     """A datatrove reader over lmpretrain's own readers: the pieces rank, rank + world_size, ... of a source,
-    each document (or part of one, for long text) a Document tagged with its piece number."""
+    each document (or part of one, for long text) a Document tagged with its piece number; `transforms`
+    (data.transforms) applied as a training run applies them."""
 
     name = "lmpretrain source"
 
-    def __init__(self, spec: SourceSpec):
+    def __init__(self, spec: SourceSpec, transforms=None):
         super().__init__()
-        self.spec = spec
+        self.spec, self.transforms = spec, transforms
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
-        source = open_source(self.spec)
+        source = open_source(self.spec, self.transforms)
         for n, piece in enumerate(source.pieces(PREPARE_PIECES)):
             if n % world_size != rank:
                 continue
@@ -255,9 +256,11 @@ def plan_prepare(
     add_bos: bool | None = None,
     overwrite: bool = False,
     tasks: int = 1,
+    transforms=None,
 ) -> Prepare:
     """Open the source and check everything a task needs, before any work; the work folder is kept when it
-    belongs to the same command (a resume), else made afresh."""
+    belongs to the same command (a resume), else made afresh. `transforms` (data.transforms) are applied
+    by our reader, the one that applies them in training too."""
     from lmpretrain.data.tokenizer import tokenizer_hash
 
     spec = as_spec(spec)
@@ -281,6 +284,7 @@ def plan_prepare(
         "add_bos": encoder.add_bos,
         "tasks": tasks,
         "version": VERSION,
+        "transforms": transforms.fingerprint() if transforms else [],
     }
     job_file = work / "job.json"
     if not (job_file.is_file() and json.loads(job_file.read_text()) == job):
@@ -289,8 +293,8 @@ def plan_prepare(
     job_file.write_text(json.dumps(job, indent=2))
     shards = str(work / "shards")
     json_lines = old is None and source.format == "json" and not any(source.json_arrays)
-    if old is None and (source.is_hub or not (json_lines or source.format == "parquet")):
-        reader, pieces, files = SourceReader(spec), len(source.pieces(PREPARE_PIECES)), None
+    if old is None and (transforms or source.is_hub or not (json_lines or source.format == "parquet")):
+        reader, pieces, files = SourceReader(spec, transforms), len(source.pieces(PREPARE_PIECES)), None
         summary = f"{source.summary(PREPARE_PIECES)}, read by lmpretrain's readers"
     else:
         root, relative = _root_and_relative(files)
@@ -381,8 +385,11 @@ def write_token_files(
     tasks: int = 1,
     workers: int = -1,
     overwrite: bool = False,
+    transforms=None,
 ) -> dict:
     """Tokenize a source into the token-file folder `out` on this machine (`tasks` tasks, `workers` at a
     time; -1: all); returns the header. The folder appears only when complete."""
-    prep = plan_prepare(spec, tokenizer, out, add_bos=add_bos, overwrite=overwrite, tasks=tasks)
+    prep = plan_prepare(
+        spec, tokenizer, out, add_bos=add_bos, overwrite=overwrite, tasks=tasks, transforms=transforms
+    )
     return run_prepare(prep, "local", tasks, workers)

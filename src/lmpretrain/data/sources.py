@@ -119,6 +119,7 @@ class Source:
         ]
         self._row_group_bytes: list[list[int]] = []
         self._pieces: dict[int, list[Piece]] = {}
+        self.transforms = None  # data.transforms (data/transforms.py), set by open_sources for text sources
 
     @property
     def label(self) -> str:
@@ -135,7 +136,9 @@ class Source:
         return self.spec.hub is not None and self.dataset is None
 
     def splittable(self, f: int) -> bool:
-        return not (self.files[f].endswith(".gz") or self.json_arrays[f])
+        # A transform sees whole documents: a file that is one document is not cut into pieces for it.
+        whole_document = self.transforms and self.format == "text" and self.spec.separator is None
+        return not (self.files[f].endswith(".gz") or self.json_arrays[f] or whole_document)
 
     def pieces(self, num_streams: int) -> list[Piece]:
         """The source's pieces for `num_streams` streams (cached): a function of the files and num_streams only."""
@@ -180,7 +183,11 @@ class Source:
         return bounds + [len(sizes)]
 
     def read(self, piece: Piece, at: list[int] | None):
-        """Units (and Bad records) of `piece` from position `at` (None: its start)."""
+        """Units (and Bad records) of `piece` from position `at` (None: its start), through data.transforms."""
+        items = self._read(piece, at)
+        return items if not self.transforms else self.transforms.apply(items, self.label)
+
+    def _read(self, piece: Piece, at: list[int] | None):
         if self.is_hub:
             n = self.dataset.n_shards
             return readers.read_datasets_shard(
@@ -250,9 +257,16 @@ class Source:
         return {**asdict(self.spec), "expanded": files}
 
 
-def open_source(spec: SourceSpec | dict) -> Source:
-    """Open a source; checks files, format and field before any work."""
-    spec = as_spec(spec)
+def open_source(spec: SourceSpec | dict, transforms=None) -> Source:
+    """Open a source; checks files, format and field before any work. `transforms` (data.transforms,
+    data/transforms.py) apply to what a text source reads; token sources are read as prepared."""
+    source = _open_source(as_spec(spec))
+    if transforms and not source.tokens:
+        source.transforms = transforms
+    return source
+
+
+def _open_source(spec: SourceSpec) -> Source:
     if spec.hub:
         return _open_hub(spec)
     if spec.name:
@@ -450,11 +464,12 @@ def is_old_token_cache(path: str) -> bool:
     return (Path(os.path.expanduser(path)) / OLD_TOKENS_META).is_file()
 
 
-def open_sources(specs: list[SourceSpec | dict], tokenizer) -> list[Source]:
-    """Open every source; token files must come from this tokenizer."""
+def open_sources(specs: list[SourceSpec | dict], tokenizer, transforms=None) -> list[Source]:
+    """Open every source; token files must come from this tokenizer. `transforms` (data.transforms,
+    data/transforms.py) apply to the text sources; token sources are read as prepared."""
     if not specs:
         raise DataError("no data sources given (data.train or data.eval is empty)")
-    opened = [open_source(s) for s in specs]
+    opened = [open_source(s, transforms) for s in specs]
     for src in opened:
         if src.token_files is not None:
             from lmpretrain.data.token_files import check_tokenizer

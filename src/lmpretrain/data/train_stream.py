@@ -29,6 +29,7 @@ from lmpretrain.data.block_stream import BlockStream, StreamSettings
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.global_shuffle import GlobalBlocksDataset, GlobalOrder, resolve_shuffle
 from lmpretrain.data.sources import Source, open_sources
+from lmpretrain.data.transforms import load_transforms
 from lmpretrain.errors import DataError, UserError
 
 if TYPE_CHECKING:
@@ -45,13 +46,16 @@ class StepBlocks:
     epoch: int  # min completed epochs of the first source over this rank's streams (as read so far)
     skipped_docs: int  # bad records skipped so far by this rank's streams
     sources: dict[str, int] = field(default_factory=dict)  # tokens each source gave this rank's blocks so far
+    filtered_docs: int | None = None  # documents data.transforms dropped so far here (None: no transforms)
 
 
 def step_counters(batch: StepBlocks) -> dict[str, tuple[int, str]]:
     """This rank's data counters of a step and how ranks combine them (name -> (value, "min" | "sum")):
-    train/epoch (the least over every stream), train/skipped_docs and data/<source>/tokens (sums). The
-    recipe's train_step combines them in the step's one device read."""
+    train/epoch (the least over every stream), train/skipped_docs, train/filtered_docs (with data.transforms)
+    and data/<source>/tokens (sums). The recipe's train_step combines them in the step's one device read."""
     counters = {"train/epoch": (batch.epoch, "min"), "train/skipped_docs": (batch.skipped_docs, "sum")}
+    if batch.filtered_docs is not None:
+        counters["train/filtered_docs"] = (batch.filtered_docs, "sum")
     counters.update({f"data/{name}/tokens": (n, "sum") for name, n in batch.sources.items()})
     return counters
 
@@ -181,7 +185,8 @@ class TrainStream:
         if problems:
             raise DataError("invalid data settings:\n  - " + "\n  - ".join(problems))
         self.encoder = Encoder(tokenizer, data.add_bos)  # checks EOS/BOS before reading any data
-        self.sources = open_sources(data.train, tokenizer)
+        self.transforms = load_transforms(data.transforms)  # a fork's document filters (data/transforms.py)
+        self.sources = open_sources(data.train, tokenizer, self.transforms)
         self.specs = [src.spec for src in self.sources]
         self.source_ids = list(range(len(self.sources)))  # seeds of their piece orders (data/mixture.py)
         self.source_names = mixture.metric_names(self.specs)
@@ -236,9 +241,10 @@ class TrainStream:
             f"{s.block_window}-block windows",
             "none": "no shuffle",
         }[self.shuffle]
+        transforms = f"{self.transforms.describe()} (text sources); " if self.transforms else ""
         return (
-            f"data: {sources}; {self.encoder.describe()}; {s.num_streams} streams x {s.seq_len}-token blocks, "
-            f"{self.ramp.describe()}; {shuffle}"
+            f"data: {sources}; {transforms}{self.encoder.describe()}; {s.num_streams} streams x {s.seq_len}-token "
+            f"blocks, {self.ramp.describe()}; {shuffle}"
         )
 
     def __iter__(self) -> Iterator[StepBlocks]:
@@ -276,6 +282,12 @@ class TrainStream:
             items = self._loader_iter = iter(loader)
         return self._steps(items)
 
+    def start(self) -> Iterator[StepBlocks]:
+        """`iter(self)` with the first step's blocks already read, so that a restored position that no
+        longer fits the data fails now, before a resumed run writes anything, not at its first step."""
+        steps = iter(self)
+        return itertools.chain([next(steps)], steps)
+
     def _steps(self, items) -> Iterator[StepBlocks]:
         # DataLoader takes items round-robin from workers, and each worker yields one item per step.
         per_step = max(1, self.num_workers)
@@ -296,14 +308,14 @@ class TrainStream:
             ids = torch.cat([blocks[s] for s in self.owned]).long()
             self._states.update(states)  # only now is this step consumed
             self.steps_done += 1
-            tokens = [
-                sum(per_source) for per_source in zip(*(t for _, _, t in progress.values()), strict=True)
-            ]
+            tokens = [sum(per_source) for per_source in zip(*(p[2] for p in progress.values()), strict=True)]
             yield StepBlocks(
                 ids,
-                epoch=min(epoch for epoch, _, _ in progress.values()),
-                skipped_docs=sum(skipped for _, skipped, _ in progress.values()),
+                epoch=min(p[0] for p in progress.values()),
+                skipped_docs=sum(p[1] for p in progress.values()),
                 sources=dict(zip(self.source_names, tokens, strict=True)),
+                # (the global shuffle reads token files, which no transform touches: 3-tuples)
+                filtered_docs=sum(p[3] for p in progress.values() if len(p) > 3) if self.transforms else None,
             )
 
     def state_dict(self) -> dict:
@@ -314,6 +326,7 @@ class TrainStream:
             "num_streams": self.num_streams,
             "steps": self.steps_done,
             "mixture": mixture.mixture(self.specs, self.source_ids),
+            **({"transforms": self.transforms.fingerprint()} if self.transforms else {}),
             "streams": copy.deepcopy(self._states),
         }
 
@@ -343,6 +356,9 @@ class TrainStream:
         self.steps_done = state.get("steps", 0)  # (states written before ramps: only constant batches)
         if "mixture" in state:  # (states written before mixtures could change have the same sources)
             self.source_ids, changed = mixture.follow(state["mixture"], self.specs)
+            # Other transforms (run.allow_data_change): the documents read since the frontier were transformed
+            # the old way, so every stream goes on from its frontier like at a mixture change.
+            changed |= state.get("transforms", []) != self.transforms.fingerprint()
             if changed:
                 keys = mixture.source_keys(self.specs)
                 self._states = {
@@ -366,6 +382,7 @@ class TrainStream:
             "shuffle_window": s.block_window,
             "doc_shuffle_window": s.doc_window,
             "data_version": STATE_VERSION,
+            **({"transforms": self.transforms.fingerprint()} if self.transforms else {}),
             "world_size": self.world_size,
             "num_workers": self.num_workers,
         }

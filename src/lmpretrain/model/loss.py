@@ -23,12 +23,27 @@ IGNORE_INDEX = -100
 class LossSums(NamedTuple):
     """Token sums over a micro-batch's targets (a NamedTuple so DDP/FSDP walk it like a tuple).
 
-    `objective` (= ce + z_loss * z) is what backward runs on; `ce` and `z` are detached, for logging.
+    `objective` (= ce + z_loss * z + the weighted logit terms) is what backward runs on; `ce`, `z` and
+    `extra` (the sums of the logit terms, in their order) are detached, for logging.
     """
 
     objective: torch.Tensor
     ce: torch.Tensor
     z: torch.Tensor
+    extra: tuple = ()
+
+
+def _logit_term_sums(logits, targets, keep, logit_terms) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """(weighted sum of the terms, to differentiate; each term's sum) of `logit_terms` [(weight, fn)] over
+    rows (logits [N, V], targets [N] with ignored rows set to 0, keep [N]): fn gives one value per row,
+    summed over the rows that have a target."""
+    weighted, sums = None, []
+    for weight, fn in logit_terms:
+        value = torch.where(keep, fn(logits, targets, keep), 0).sum()
+        sums.append(value.detach())
+        if weight:
+            weighted = weight * value if weighted is None else weighted + weight * value
+    return weighted, sums
 
 
 def make_labels(input_ids: torch.Tensor, ignore_after_token: int | None = None) -> torch.Tensor:
@@ -62,9 +77,14 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def logits_loss_sums(
-    logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0, z_loss: float = 0.0
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_terms=(),
 ) -> LossSums:
-    """`full`: sums from logits (..., V) aligned with `targets` (...), in fp32 (or wider)."""
+    """`full`: sums from logits (..., V) aligned with `targets` (...), in fp32 (or wider); `logit_terms`:
+    [(weight, fn)] of LMObjective.logit_terms, computed on the same fp32 logits."""
     logits = logits.reshape(-1, logits.size(-1))
     logits = logits.to(_accumulation_dtype(logits.dtype))
     targets = targets.reshape(-1)
@@ -74,7 +94,13 @@ def logits_loss_sums(
     z = logits.new_zeros(())
     if z_loss:  # masked, not selected: boolean indexing would make the host wait for the GPU
         z = (torch.logsumexp(logits, dim=-1).square() * (targets != IGNORE_INDEX)).sum()
-    return LossSums(ce + z_loss * z if z_loss else ce, ce.detach(), z.detach())
+    objective = ce + z_loss * z if z_loss else ce
+    if not logit_terms:
+        return LossSums(objective, ce.detach(), z.detach())
+    keep = targets != IGNORE_INDEX
+    weighted, sums = _logit_term_sums(logits, torch.where(keep, targets, 0), keep, logit_terms)
+    objective = objective if weighted is None else objective + weighted
+    return LossSums(objective, ce.detach(), z.detach(), tuple(sums))
 
 
 def causal_lm_loss_sum(
@@ -111,6 +137,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         label_smoothing: float,
         z_loss: float,
         grad_enabled: bool,
+        logit_terms: tuple,
     ):
         dtype = _compute_dtype(weight)
         acc = _accumulation_dtype(dtype)
@@ -127,6 +154,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         want_grad = grad_enabled and any(ctx.needs_input_grad[:3])
         ce = torch.zeros((), dtype=acc, device=hidden.device)
         z = torch.zeros((), dtype=acc, device=hidden.device)
+        extra = torch.zeros(len(logit_terms), dtype=acc, device=hidden.device)  # the logit terms' sums
+        extra_objective = torch.zeros((), dtype=acc, device=hidden.device)  # their weighted sum
         grad_hidden = None
         if want_grad:
             grad_hidden = torch.empty(
@@ -144,6 +173,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 y = torch.where(keep, y, 0)
                 # One pass over the chunk's logits, in place: shift by the row max, exponentiate, normalise.
                 logits = F.linear(h, w, b).to(acc)
+                extra_grad = None
+                if logit_terms:  # a fork's terms on these logits, differentiated before the in-place ops
+                    with torch.enable_grad():
+                        leaf = logits.detach().requires_grad_(want_grad)
+                        weighted, sums = _logit_term_sums(leaf, y, keep, logit_terms)
+                        if want_grad and weighted is not None and weighted.requires_grad:
+                            (extra_grad,) = torch.autograd.grad(weighted, leaf)
+                    extra += torch.stack(sums).to(acc)
+                    if weighted is not None:
+                        extra_objective += weighted.detach()
                 row_max = logits.amax(dim=-1)
                 logits.sub_(row_max[:, None])
                 rows = -logits.gather(1, y[:, None]).squeeze(1)  # - shifted target logit
@@ -165,6 +204,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if label_smoothing:
                     grad.sub_(label_smoothing / vocab)
                 grad.mul_(keep[:, None])
+                if extra_grad is not None:
+                    grad.add_(extra_grad)
                 grad = grad.to(grad_dtype)
                 grad_hidden[start : start + chunk] = grad @ w_grad
                 grad_weight += (grad.T @ hidden[start : start + chunk].to(grad_dtype)).to(acc)
@@ -173,12 +214,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         objective = ce + z_loss * z if z_loss else ce.clone()
+        objective += extra_objective
         z = z if z_loss else torch.zeros_like(z)  # as `full` reports: no z term, no z sum
-        ctx.mark_non_differentiable(ce, z)
-        return objective, ce, z
+        ctx.mark_non_differentiable(ce, z, extra)
+        return objective, ce, z, extra
 
     @staticmethod
-    def backward(ctx, grad_objective, _grad_ce, _grad_z):
+    def backward(ctx, grad_objective, _grad_ce, _grad_z, _grad_extra):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
         scale = grad_objective.to(grad_weight.dtype)
@@ -187,7 +229,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             (grad_weight * scale).to(weight_dtype) if ctx.needs_input_grad[1] else None,
             (grad_bias * scale).to(bias_dtype) if ctx.needs_input_grad[2] else None,
         ]
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def chunked_loss_sums(
@@ -199,12 +241,13 @@ def chunked_loss_sums(
     chunk_tokens: int,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    logit_terms=(),
 ) -> LossSums:
     """`chunked`: the sums of `logits_loss_sums(hidden @ weight.T + bias, targets)`, with at most
     `chunk_tokens` rows of logits alive at once. Rows without a target are projected too and masked:
     selecting the others (`hidden[targets != -100]`) would make the host wait for the GPU (a nonzero)
     in every micro-batch, for a saving of about one row per sequence."""
-    objective, ce, z = _ChunkedLinearCrossEntropy.apply(
+    objective, ce, z, extra = _ChunkedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.size(-1)),
         weight,
         bias,
@@ -213,8 +256,9 @@ def chunked_loss_sums(
         label_smoothing,
         z_loss,
         torch.is_grad_enabled(),
+        tuple(logit_terms),
     )
-    return LossSums(objective, ce, z)
+    return LossSums(objective, ce, z, tuple(extra.unbind()) if logit_terms else ())
 
 
 def liger_loss_sums(

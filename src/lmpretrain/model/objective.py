@@ -3,8 +3,10 @@
 The recipe's micro-batch loop and the `Evaluator` both call `objective(model, input_ids, labels)`, which
 returns named terms, name -> `Term(sum, count, weight)`: `loss` (cross-entropy) and, with train.z_loss,
 `z_loss`. The loop reduces each term over micro-batches and ranks, adds weight * sum / (the global
-batch's target count) to what it differentiates, and logs sum / count as `train/<name>`. A fork adds a
-term by overriding `terms()` (docs/forking.md); nothing else changes.
+batch's target count) to what it differentiates, and logs sum / count as `train/<name>` (and
+`eval/<name>` at evaluation). A fork adds a term from the logits the loss already computes by overriding
+`logit_terms()` (with every loss_impl but liger: per chunk with the chunked loss), or any term by
+overriding `terms()` (docs/forking.md); nothing else changes.
 
 The loss runs inside the model's own forward (`install`, called by the recipe): under FSDP2 the output
 embedding is gathered only during the root module's forward, and DDP/DeepSpeed see an ordinary call.
@@ -88,8 +90,16 @@ class LMObjective:
             single_row=cfg.data.document_masking and cfg.model.attn_implementation.startswith("flash"),
         )
 
+    def logit_terms(self) -> dict:
+        """The hook for a fork's terms on the logits the base loss computes: name -> (weight, fn), where
+        fn(logits [rows, vocab] fp32, targets [rows] (0 where ignored), mask [rows] bool) returns one value
+        per row; the term is its sum over the rows with a target, differentiated with weight (per target
+        token, like `loss`), logged as train/<name> and eval/<name>. None here."""
+        return {}
+
     def held_out(self) -> LMObjective:
-        """The same forward for evaluation, scoring plain cross-entropy (no smoothing, no z-loss)."""
+        """The same forward for evaluation, scoring plain cross-entropy (no smoothing, no z-loss); the
+        logit terms are computed too, for eval/<name>."""
         return replace(self, label_smoothing=0.0, z_loss=0.0)
 
     def describe(self) -> str:
@@ -124,25 +134,46 @@ class LMObjective:
     def install(self, model) -> list[str]:
         """Let the model compute this objective inside its own forward, then show on a few tokens that it
         can (check_objective); returns the log lines. Before accelerate wraps the model."""
+        extra = self.logit_terms()
+        if extra and self.loss_impl == "liger":
+            raise ConfigError(
+                [
+                    f"the objective's logit terms ({', '.join(extra)}) need the logits, which train.loss_impl=liger "
+                    "never forms; use train.loss_impl=chunked (they are computed chunk by chunk) or full"
+                ]
+            )
         install_loss_forward(model)
-        return [self.describe(), *check_objective(model, self)]
+        terms = (
+            [f"logit terms: {', '.join(f'{n} (weight {w:g})' for n, (w, _) in extra.items())}"]
+            if extra
+            else []
+        )
+        return [self.describe(), *terms, *check_objective(model, self)]
 
     def terms(self, model, forward, targets: torch.Tensor, **inputs) -> dict[str, Term]:
         """Inside the model's forward: the named terms. Override to add terms (keep `loss`)."""
+        extra = self.logit_terms()
         sums = self.loss_sums(model, forward, targets, **inputs)
         count = (targets != IGNORE_INDEX).sum()
-        if not self.z_loss:
+        if not self.z_loss and not extra:
             return {"loss": Term(sums.objective, count, 1.0)}
-        # The loss implementations differentiate ce + z_loss * z as one sum (the chunked loss computes its
-        # gradient in the forward); `loss` carries that gradient with the value ce, `z_loss` the value only.
+        # The loss implementations differentiate ce + z_loss * z + the weighted logit terms as one sum (the
+        # chunked loss computes its gradient in the forward); `loss` carries that gradient with the value
+        # ce, the other terms their values only.
         carry = sums.objective - sums.objective.detach()
-        return {"loss": Term(sums.ce + carry, count, 1.0), "z_loss": Term(sums.z, count, self.z_loss)}
+        terms = {"loss": Term(sums.ce + carry, count, 1.0)}
+        if self.z_loss:
+            terms["z_loss"] = Term(sums.z, count, self.z_loss)
+        for (name, (weight, _)), value in zip(extra.items(), sums.extra, strict=True):
+            terms[name] = Term(value, count, weight)
+        return terms
 
     def loss_sums(self, model, forward, targets: torch.Tensor, **inputs) -> LossSums:
         """Cross-entropy (and z) sums with this objective's loss implementation."""
+        extra = list(self.logit_terms().values())
         if self.loss_impl == "full":
             logits = forward(model, **inputs).logits
-            return logits_loss_sums(logits, targets, self.label_smoothing, self.z_loss)
+            return logits_loss_sums(logits, targets, self.label_smoothing, self.z_loss, extra)
         hidden = model.base_model(**inputs).last_hidden_state
         head = model.get_output_embeddings()
         if self.loss_impl == "chunked":
@@ -154,6 +185,7 @@ class LMObjective:
                 chunk_tokens=self.chunk_tokens,
                 label_smoothing=self.label_smoothing,
                 z_loss=self.z_loss,
+                logit_terms=extra,
             )
         return liger_loss_sums(
             hidden, head.weight, head.bias, targets, label_smoothing=self.label_smoothing, z_loss=self.z_loss

@@ -56,16 +56,23 @@ class Evaluator:
         model.eval()
         inputs, labels = rank_share(self.blocks, acc.process_index, acc.num_processes)
         total = torch.zeros(2, dtype=torch.float64, device=acc.device)
+        others: dict[str, torch.Tensor] = {}  # the objective's other terms: name -> (sum, count)
         for start in range(0, len(inputs), self.batch_size):
             x = inputs[start : start + self.batch_size].to(acc.device)
             y = labels[start : start + self.batch_size].to(acc.device)
             with self.precision.autocast():
-                total[0] += objective(model, x, y)["loss"].sum.double()
+                terms = objective(model, x, y)
+            total[0] += terms["loss"].sum.double()
             total[1] += count_targets(y)
+            for name, term in terms.items():
+                if name != "loss":
+                    others[name] = others.get(name, 0) + torch.stack([term.sum, term.count]).double()
         total = acc.reduce(total, reduction="sum")
+        others = {name: acc.reduce(others[name], reduction="sum") for name in sorted(others)}
         model.train()
         loss = (total[0] / total[1]).item()
         metrics = {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
+        metrics.update({f"eval/{name}": (s[0] / s[1].clamp_min(1)).item() for name, s in others.items()})
         if self.target_bytes:
             metrics["eval/bpb"] = total[0].item() / math.log(2) / self.target_bytes
         return metrics

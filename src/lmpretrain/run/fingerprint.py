@@ -7,6 +7,9 @@ global batch's target count. So a resume that changes world_size / micro_batch_s
 grad_accum_steps but keeps the global batch needs no flag.
 """
 
+import dataclasses
+
+from lmpretrain.config import fork_sections
 from lmpretrain.data.mixture import DATA_CHANGE_FLAG, compare_sources
 from lmpretrain.errors import CheckpointMismatchError
 
@@ -34,14 +37,23 @@ FINGERPRINT_NAMES = (
 )
 
 
-def allow_mismatch_problems(names: list[str]) -> list[str]:
-    """Config problems of run.allow_mismatch: every name must be a fingerprint entry."""
-    unknown = [n for n in names if n not in FINGERPRINT_NAMES and not n.startswith("model.")]
+def accepted_names(sections=()) -> str:
+    """The names run.allow_mismatch accepts, in words (a fork's sections included)."""
+    forks = "".join(f", {s}, {s}.<field>" for s in sections)
+    return f"{', '.join(FINGERPRINT_NAMES)}, model.<field>{forks}"
+
+
+def allow_mismatch_problems(names: list[str], sections=()) -> list[str]:
+    """Config problems of run.allow_mismatch: every name must be a fingerprint entry (or a fork section's)."""
+    prefixes = ("model.", *(f"{s}." for s in sections))
+    unknown = [
+        n for n in names if n not in FINGERPRINT_NAMES and n not in sections and not n.startswith(prefixes)
+    ]
     if not unknown:
         return []
     return [
         f"run.allow_mismatch: unknown name(s) {', '.join(map(repr, unknown))}; it takes the names of the "
-        f"resume differences to accept, from: {', '.join(FINGERPRINT_NAMES)}, model.<field>"
+        f"resume differences to accept, from: {accepted_names(sections)}"
     ]
 
 
@@ -60,18 +72,48 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _transforms_change(saved: list, current: list) -> str | None:
+    """data.transforms' change in words (names, or the file of one that was edited), or None."""
+    if saved == current:
+        return None
+    names = lambda entries: [t["name"] for t in entries]  # noqa: E731
+    if names(saved) != names(current):
+        return f"{names(saved) or 'none'} -> {names(current) or 'none'}"
+    edited = [t["name"] for t, u in zip(saved, current, strict=True) if t != u]
+    return f"the file defining {', '.join(edited)} changed (sha256 differs)"
+
+
+def section_fingerprint(cfg) -> dict:
+    """A fork's own config sections (config.fork_sections) and their fields, each checked at resume like
+    ours, except a field declared with `metadata={"resume": "free"}` (a setting that may change)."""
+    out = {}
+    for name in fork_sections(cfg):
+        section = getattr(cfg, name)
+        values = dataclasses.asdict(section)
+        out[name] = {
+            f.name: values[f.name]
+            for f in dataclasses.fields(section)
+            if f.metadata.get("resume") != "free" and f.name in values
+        }
+    return out
+
+
 def run_fingerprint(cfg, world_size: int, data: dict, model_config) -> dict:
     """This run's fingerprint: the data's (sources, tokenizer, layout), the model config, the batch (and its
-    ramp, when there is one: the blocks of every step depend on it)."""
+    ramp, when there is one: the blocks of every step depend on it), a fork's config sections. Taken before
+    the model is built, with the dtype the build gives the config."""
     ramp = {"batch_ramp": [[s.until_tokens, s.global_batch] for s in cfg.train.batch_ramp]}
+    model = {k: v for k, v in model_config.to_diff_dict().items() if k != "transformers_version"}
+    model.setdefault("dtype", cfg.train.param_dtype)
     return {
         **data,
         "world_size": world_size,
-        "model": {k: v for k, v in model_config.to_diff_dict().items() if k != "transformers_version"},
+        "model": model,
         "micro_batch_size": cfg.train.micro_batch_size,
         "grad_accum_steps": cfg.train.grad_accum_steps,
         "global_batch": cfg.global_batch(world_size),
         **(ramp if cfg.train.batch_ramp else {}),
+        **section_fingerprint(cfg),
     }
 
 
@@ -112,8 +154,9 @@ def check_fingerprint(
     Returns the lines to print (a note on a changed layout, a warning per accepted difference).
     """
     mixture, source_diffs = compare_sources(saved.get("sources", []), current.get("sources", []))
-    old = _flatten({k: v for k, v in saved.items() if k != "sources"})
-    new = _flatten({k: v for k, v in current.items() if k != "sources"})
+    transforms = _transforms_change(saved.get("transforms", []), current.get("transforms", []))
+    old = _flatten({k: v for k, v in saved.items() if k not in ("sources", "transforms")})
+    new = _flatten({k: v for k, v in current.items() if k not in ("sources", "transforms")})
     missing = "<absent>"
     changed = [
         key
@@ -140,18 +183,26 @@ def check_fingerprint(
         diffs["sources"] = "; ".join(source_diffs)
     refused = [key for key in diffs if not _accepted(key, allow_mismatch)]
     mixture_refused = bool(mixture) and not allow_data_change
+    transforms_refused = bool(transforms) and not allow_data_change
     advice = _batch_advice(saved, current, lr)
-    if refused or mixture_refused:
+    if refused or mixture_refused or transforms_refused:
         message = ["the checkpoint was written by a run that differs from this one:"]
         message += [f"  {diffs[key]}" for key in refused]
         if mixture_refused:
             message.append(f"  data mixture: {mixture}")
+        if transforms_refused:
+            message.append(f"  data.transforms: {transforms}")
         if advice:
             message.append(f"note: {advice}")
         if mixture_refused:
             message.append(
                 f"The training mixture may change at resume with {DATA_CHANGE_FLAG} (unchanged sources "
                 f"continue from their positions)."
+            )
+        if transforms_refused:
+            message.append(
+                f"data.transforms may change at resume with {DATA_CHANGE_FLAG} (each stream goes on from the "
+                "documents it would have read next)."
             )
         if refused:
             message.append(
@@ -163,6 +214,8 @@ def check_fingerprint(
         f"WARNING: resuming across a fingerprint difference (run.allow_mismatch): {diff}"
         for diff in diffs.values()
     ]
+    if transforms:
+        lines.append(f"WARNING: resuming with other data.transforms (run.allow_data_change): {transforms}")
     if advice and diffs:
         lines.append(f"WARNING: {advice}")
     return lines

@@ -94,6 +94,9 @@ def main() -> None:
                     "weights": weights,
                     "received": [t.tolist() for t in everyone],  # [rank][step]
                     "muon_bytes": muon_bytes,
+                    "largest": max(
+                        p.numel() * p.element_size() for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]
+                    ),
                     "funcol": funcol,
                     "calls": counter.calls,
                 }

@@ -45,12 +45,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.config
         if args.shape == "chars":
-            path = benchmark.gpt2_shape(path, Path(tmp), benchmark.CHARS, len(load_tokenizer(benchmark.CHARS)))
+            path = benchmark.gpt2_shape(
+                path, Path(tmp), benchmark.CHARS, len(load_tokenizer(benchmark.CHARS))
+            )
         runs = {}
         for name in ("adamw", "muon"):
             cfg = load_config([path, *overrides, f"--optim.name={name}"])
             torch.manual_seed(0)
-            model = build_model(build_model_config(cfg.model, load_tokenizer(cfg.data.tokenizer)), None, "float32")
+            model = build_model(
+                build_model_config(cfg.model, load_tokenizer(cfg.data.tokenizer)), None, "float32"
+            )
             opt = build_optimizer(model, cfg.optim)
             runs[name] = (cfg, model, opt)
             print(f"{name}: {describe_implementation(opt, cfg.optim, torch.device('cpu'))}")

@@ -30,7 +30,14 @@ class Received:
         self.bytes, self.calls, self._saved = 0, {}, {}
 
     def __enter__(self):
-        for name in ("all_to_all_single", "all_gather_into_tensor", "broadcast", "all_gather", "scatter", "gather"):
+        for name in (
+            "all_to_all_single",
+            "all_gather_into_tensor",
+            "broadcast",
+            "all_gather",
+            "scatter",
+            "gather",
+        ):
             self._saved[name] = original = getattr(dist, name)
             setattr(dist, name, self._wrap(name, original))
         return self
@@ -72,7 +79,10 @@ def main() -> None:
                     for group in opt.param_groups:
                         group["params"] = [sharded[names[id(p)]] for p in group["params"]]
                 muon_bytes = sum(
-                    p.numel() * p.element_size() for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]
+                    p.numel() * p.element_size()
+                    for g in opt.param_groups
+                    if g["kind"] == "muon"
+                    for p in g["params"]
                 )
                 received, funcol = [], []
                 for step in range(2):
@@ -95,7 +105,10 @@ def main() -> None:
                     "received": [t.tolist() for t in everyone],  # [rank][step]
                     "muon_bytes": muon_bytes,
                     "largest": max(
-                        p.numel() * p.element_size() for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]
+                        p.numel() * p.element_size()
+                        for g in opt.param_groups
+                        if g["kind"] == "muon"
+                        for p in g["params"]
                     ),
                     "funcol": funcol,
                     "calls": counter.calls,

@@ -17,7 +17,14 @@ from lmpretrain.update.optim import build_optimizer, describe_implementation
 
 def test_batched_newton_schulz_equals_one_matrix_at_a_time():
     gen = torch.Generator().manual_seed(0)
-    shapes = [(1, 8, 20), (3, 8, 20), (1, 20, 8), (2, 5, 5), (1, 8, 20), (1, 6, 9)]  # a tall one joins (8, 20)
+    shapes = [
+        (1, 8, 20),
+        (3, 8, 20),
+        (1, 20, 8),
+        (2, 5, 5),
+        (1, 8, 20),
+        (1, 6, 9),
+    ]  # a tall one joins (8, 20)
     mats = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes]
     batched = orthogonalise_all(mats, 5, torch.float64)
     for m, b in zip(mats, batched, strict=True):
@@ -120,7 +127,12 @@ def launch(world: int, out) -> dict:
         subprocess.Popen(
             [sys.executable, str(rr.ROOT / "tests" / "muon_spread_worker.py"), str(out)],
             env=rr.env_for_runs(
-                {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                {
+                    "RANK": str(r),
+                    "WORLD_SIZE": str(world),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                }
             ),
         )
         for r in range(world)
@@ -132,7 +144,9 @@ def launch(world: int, out) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_and_ddp_spread_or_not_equal_one_process_and_fsdp2_receives_2_over_world(world, reference, tmp_path):
+def test_fsdp2_and_ddp_spread_or_not_equal_one_process_and_fsdp2_receives_2_over_world(
+    world, reference, tmp_path
+):
     runs = launch(world, tmp_path / "runs.pt")
     for (model_type, layout, spread), run in runs.items():
         ref = reference[model_type]
@@ -153,3 +167,24 @@ def test_fsdp2_and_ddp_spread_or_not_equal_one_process_and_fsdp2_receives_2_over
             assert set(ops) == {"c10d_functional.all_gather_into_tensor"} and run["calls"] == {}
         else:  # DDP, not spread: every rank orthogonalises every matrix, nothing is sent
             assert ops == {} and run["calls"] == {}
+
+
+def test_a_resume_with_another_spread_or_ns_dtype_says_so_in_one_line():
+    from lmpretrain.config import load_config
+    from lmpretrain.update.optim import apply_hyperparameters
+    from lmpretrain.update.schedule import hyperparameter_changes
+
+    saved = load_config([str(rr.SMOKE), "--optim.name=muon"])
+    now = load_config(
+        [str(rr.SMOKE), "--optim.name=muon", "--optim.muon_spread=never", "--optim.muon_ns_dtype=float32"]
+    )
+    line = hyperparameter_changes(saved.to_dict(), now, step=4, updates=4)
+    assert line.startswith(
+        "resumed with new hyper-parameters from step 4: optim.muon_ns_dtype auto -> float32, "
+        "optim.muon_spread auto -> never (lr "
+    )
+    opt = build_optimizer(build("llama"), saved.optim)  # a loaded state brings the saved settings back
+    apply_hyperparameters(opt, now.optim)
+    assert {(g["ns_dtype"], g["spread"]) for g in opt.param_groups if g["kind"] == "muon"} == {
+        ("float32", "never")
+    }

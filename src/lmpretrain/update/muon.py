@@ -49,8 +49,9 @@ def fused_projections(block: nn.Module) -> dict[int, int]:
 
 def block_matrices(model: nn.Module) -> dict[int, tuple[int, int]]:
     """id(param) -> (projections, output dim) for every weight matrix inside the transformer blocks: 2-D,
-    or 3-D as a batch (MoE experts), both last dims > 1, not an embedding's or a convolution's kernel.
-    The output dim (0: rows as nn.Linear, 1: columns as transformers' Conv1D) orients the lr adjustment."""
+    or 3-D as a batch (MoE experts), both last dims > 1, not an embedding's or a convolution's kernel, not
+    a per-expert bias stack. The output dim (0: rows as nn.Linear, 1: columns as transformers' Conv1D and
+    transposed expert stacks) orients the lr adjustment."""
     from lmpretrain.model.speed import transformer_blocks  # here: it loads transformers' model registry
 
     blocks = transformer_blocks(model)
@@ -68,9 +69,19 @@ def block_matrices(model: nn.Module) -> dict[int, tuple[int, int]]:
         for module in block.modules():
             if isinstance(module, not_matrices):
                 continue
-            for p in module.parameters(recurse=False):
-                if p.requires_grad and p.dim() in (2, 3) and min(p.shape[-2:]) > 1:
-                    matrices[id(p)] = (fused.get(id(p), 1), 1 if isinstance(module, Conv1D) else 0)
+            own = list(module.parameters(recurse=False))
+            # Beside expert stacks (E, rows, cols), a 2-D parameter is a stack of per-expert bias vectors
+            # (GPT-OSS's gate_up_proj_bias), not a matrix.
+            experts = any(p.dim() == 3 for p in own)
+            # transformers' experts modules state their layout: is_transposed = (E, in, out) (GPT-OSS).
+            transposed = bool(getattr(module, "is_transposed", False))
+            for p in own:
+                if not (p.requires_grad and p.dim() in (2, 3) and min(p.shape[-2:]) > 1) or (
+                    experts and p.dim() == 2
+                ):
+                    continue
+                in_out = isinstance(module, Conv1D) or (p.dim() == 3 and transposed)
+                matrices[id(p)] = (fused.get(id(p), 1), int(in_out))
     if not matrices:
         raise ConfigError(
             [
@@ -104,7 +115,7 @@ def muon_groups(model: nn.Module, optim_cfg) -> list[dict]:
             by_layout.setdefault(layouts[id(p)], []).append(p)
     groups = []
     for (pieces, out_dim), params in sorted(by_layout.items()):
-        name = "muon" + ("_conv1d" if out_dim else "") + (f"_fused{pieces}" if pieces > 1 else "")
+        name = "muon" + ("_in_out" if out_dim else "") + (f"_fused{pieces}" if pieces > 1 else "")
         groups.append(
             {
                 "params": params,

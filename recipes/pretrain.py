@@ -190,7 +190,11 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         say(line)
     optimizer = build_optimizer(model, cfg.optim, accelerator.device)
     say(f"{counts['params_total']:,} parameters; optimizer groups: {describe_groups(optimizer)}")
-    say(describe_implementation(optimizer, cfg.optim, accelerator.device))
+    say(
+        describe_implementation(
+            optimizer, cfg.optim, accelerator.device, W, info.sharding.startswith("fsdp2")
+        )
+    )
     # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (set_lr before each step from the
     # updates really applied), under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)

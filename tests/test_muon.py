@@ -48,6 +48,17 @@ TINY = {
         "num_local_experts": 3,
         "num_experts_per_tok": 2,
     },
+    "gpt_oss": {  # experts stored (experts, in, out) with per-expert bias stacks (experts, width)
+        "hidden_size": 32,
+        "intermediate_size": 24,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "num_local_experts": 3,
+        "num_experts_per_tok": 2,
+        "layer_types": ["full_attention"],
+    },
 }
 VOCAB = 96
 
@@ -57,7 +68,7 @@ def tiny(model_type: str, seed: int = 0) -> torch.nn.Module:
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, **TINY[model_type])
     config._attn_implementation = "eager"
     # float64: the eager expert loop (the grouped-matmul kernel takes no float64)
-    extra = {"experts_implementation": "eager"} if model_type == "mixtral" else {}
+    extra = {"experts_implementation": "eager"} if model_type in ("mixtral", "gpt_oss") else {}
     return AutoModelForCausalLM.from_config(config, **extra).double()
 
 
@@ -99,11 +110,11 @@ def test_gpt2_fused_qkv_is_split_in_three_and_conv1d_is_read_as_in_out():
     opt = build_optimizer(model, muon_cfg())
     groups = {g["name"]: g for g in opt.param_groups}
     names = {id(p): n for n, p in model.named_parameters()}
-    assert {names[id(p)] for p in groups["muon_conv1d_fused3"]["params"]} == {
+    assert {names[id(p)] for p in groups["muon_in_out_fused3"]["params"]} == {
         "transformer.h.0.attn.c_attn.weight",
         "transformer.h.1.attn.c_attn.weight",
     }
-    assert {names[id(p)] for p in groups["muon_conv1d"]["params"]} == {
+    assert {names[id(p)] for p in groups["muon_in_out"]["params"]} == {
         f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
     }
     adamw = names_in(opt, model, "adamw")
@@ -119,6 +130,23 @@ def test_mixtral_expert_stacks_are_batches_of_matrices():
     assert experts and experts <= muon  # gate_up_proj and down_proj: (experts, rows, cols)
     # 4 attention projections + the router + 2 expert stacks of 3 experts
     assert describe_groups(opt).startswith("Muon: 11 matrices in 7 tensors")
+    assert {g["name"] for g in opt.param_groups if g["kind"] == "muon"} == {"muon"}  # (experts, out, in)
+
+
+def test_gpt_oss_bias_stacks_stay_on_adamw_and_its_transposed_experts_are_read_as_in_out():
+    model = tiny("gpt_oss")
+    opt = build_optimizer(model, muon_cfg())
+    names = {id(p): n for n, p in model.named_parameters()}
+    layer = "model.layers.0."
+    by_group = {g["name"]: {names[id(p)] for p in g["params"]} for g in opt.param_groups}
+    assert by_group["muon_in_out"] == {layer + "mlp.experts.gate_up_proj", layer + "mlp.experts.down_proj"}
+    assert by_group["muon"] == {
+        layer + m + ".weight"
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    } | {layer + "mlp.router.weight"}
+    adamw = names_in(opt, model, "adamw")
+    assert {layer + "mlp.experts.gate_up_proj_bias", layer + "mlp.experts.down_proj_bias"} <= adamw
+    assert layer + "self_attn.sinks" in adamw
 
 
 # ---- The step equals Muon's definition, computed here in float64 ---------------------------------
@@ -136,12 +164,12 @@ def newton_schulz(g: torch.Tensor, steps: int) -> torch.Tensor:
     return x.T if tall else x
 
 
-def reference_muon(name: str, p, grad, buf, *, lr, wd, momentum, steps, scale, muon_lr):
+def reference_muon(name: str, p, grad, buf, *, lr, wd, momentum, steps, scale, muon_lr, conv1d):
     """Keller Jordan's form: B = mu B + g, Nesterov update g + mu B (torch's lerp form differs by the factor
-    1 - mu, which the normalisation removes). Matrices are (out, in) but GPT-2's Conv1D is (in, out)."""
+    1 - mu, which the normalisation removes). Matrices are (out, in) but GPT-2's Conv1D and GPT-OSS's
+    experts are (in, out) (`conv1d`)."""
     buf.mul_(momentum).add_(grad)
     u = grad + momentum * buf
-    conv1d = "transformer.h" in name
     mats = list(u) if u.dim() == 3 else [u]  # an expert stack: one matrix per expert
     outs = []
     for m in mats:
@@ -160,7 +188,7 @@ def reference_muon(name: str, p, grad, buf, *, lr, wd, momentum, steps, scale, m
 
 @pytest.mark.parametrize(
     "model_type,scale", [("llama", "match_rms_adamw"), ("llama", "original"), ("gpt2", "match_rms_adamw"),
-                         ("mixtral", "match_rms_adamw")]
+                         ("mixtral", "match_rms_adamw"), ("gpt_oss", "original")]
 )  # fmt: skip
 def test_muon_steps_equal_a_float64_reference(model_type, scale):
     model = tiny(model_type)
@@ -184,8 +212,9 @@ def test_muon_steps_equal_a_float64_reference(model_type, scale):
         with torch.no_grad():
             for n in muon:
                 p = ref_params[n]
+                in_out = "transformer.h" in n or (model_type == "gpt_oss" and ".experts." in n)
                 reference_muon(n, p, p.grad, bufs[n], lr=lr, wd=0.1, momentum=0.9, steps=4, scale=scale,
-                               muon_lr=0.03)  # fmt: skip
+                               muon_lr=0.03, conv1d=in_out)  # fmt: skip
         ref_adamw.step()
         for m in (model, ref):
             m.zero_grad(set_to_none=True)
@@ -290,6 +319,9 @@ def assert_close_runs(a: rr.Run, b: rr.Run, rel: float) -> None:
 @pytest.mark.slow
 def test_fsdp2_trains_like_ddp_in_float64(fsdp, ddp):
     assert "sharding=fsdp2" in fsdp.output and "Muon: 14 matrices" in fsdp.output
+    # optim.muon_spread=auto spreads both here (so the resume tests below run spread too)
+    assert "spread over 2 ranks under FSDP2 (auto: it moves fewer bytes" in fsdp.output
+    assert "spread over 2 ranks (optim.muon_spread=auto: Newton-Schulz" in ddp.output
     assert_close_runs(fsdp, ddp, rel=1e-6)
 
 

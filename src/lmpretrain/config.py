@@ -270,6 +270,14 @@ class OptimConfig:
     sqrt(max(1, rows / cols)) (Keller Jordan's). Both follow the schedule's shape."""
     muon_lr: float = 0.02
     """optim.name=muon with muon_lr_scale=original: the matrices' peak lr."""
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """optim.name=muon: the Newton-Schulz iteration's dtype. auto = bfloat16 on CUDA, float32 on CPUs (bf16
+    matmul is slow without AMX), the parameters' dtype when they are float64."""
+    muon_spread: Literal["auto", "always", "never"] = "auto"
+    """optim.name=muon at world size > 1: spread the orthogonalisation over the ranks (each matrix on one
+    rank; FSDP2: two all-to-alls, DDP: one all-gather of the results) | never: every rank does every matrix.
+    auto: always under FSDP2, under DDP when a stated roofline says the compute saved exceeds the
+    all-gather's time (docs/muon.md). The start-up line says which runs."""
 
 
 @dataclass

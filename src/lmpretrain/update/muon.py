@@ -6,14 +6,15 @@ Muon (Jordan et al. 2024, "Muon: an optimizer for hidden layers"; Liu et al. 202
 LLM Training") keeps a Nesterov momentum per matrix and replaces the update by its orthogonalisation,
 approximated by a quintic Newton-Schulz iteration. The momentum, the iteration's coefficients and eps and
 the per-matrix lr adjustment (`_adjust_lr`) are torch.optim.Muon's; its step is not called because it
-rounds every update to bfloat16 (slow on CPUs without bf16 matmul, and too coarse for the float64 tests that
-prove FSDP2 equals DDP), refuses 3-D expert stacks and cannot orthogonalise a DTensor shard. Here the
-iteration runs in float32 (float64 for float64 parameters) on whole matrices:
+always iterates in bfloat16 (slow on CPUs without bf16 matmul, too coarse for the float64 tests that prove
+FSDP2 equals DDP), refuses 3-D expert stacks and cannot orthogonalise a DTensor shard. Here:
 
-* plain tensors (one process, DDP): every rank orthogonalises every matrix, the same update everywhere;
-* DTensor shards (FSDP2): each matrix's update is gathered whole, rank i % world orthogonalises matrix i
-  (rounds of `world` matrices, so no rank holds more than `world` whole updates at once), broadcasts it,
-  and every rank keeps its own shard of the result;
+* momentum, decay and the update are `torch._foreach_*` kernels over each group;
+* the iteration (newton_schulz.py) runs once per matrix shape on the whole batch of that shape, in
+  optim.muon_ns_dtype (auto: bfloat16 on CUDA, float32 on CPUs, float64 for float64 parameters);
+* at world size > 1 the matrices are spread over the ranks (muon_spread.py, optim.muon_spread): under
+  FSDP2 each matrix's rows go to the one rank that orthogonalises it and come back; under DDP each rank
+  does its share and the results are all-gathered;
 * MoE expert weights (E, rows, cols) are a batch of E matrices; a projection that fuses Q, K and V in one
   matrix (GPT-2's c_attn, split by its attention's `split_size`) is orthogonalised per projection.
 """
@@ -23,25 +24,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
+from torch.distributed.tensor import DTensor
+from torch.optim._muon import _adjust_lr
 from transformers.pytorch_utils import Conv1D
 
 from lmpretrain.errors import ConfigError
-
-
-def orthogonalise(update: torch.Tensor, steps: int) -> torch.Tensor:
-    """Newton-Schulz approximation of U V^T for update = U S V^T, over the last two dims (a leading dim is
-    a batch of matrices), in float32 or wider."""
-    x = update.to(torch.promote_types(update.dtype, torch.float32))
-    wide = x.size(-2) <= x.size(-1)
-    if not wide:  # iterate on the smaller Gram matrix
-        x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=EPS)  # spectral norm <= 1
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = DEFAULT_A * x + (DEFAULT_B * gram + DEFAULT_C * gram @ gram) @ x
-    return (x if wide else x.mT).to(update.dtype)
+from lmpretrain.update.muon_spread import orthogonalised, spread_decision
+from lmpretrain.update.newton_schulz import batches, iteration_dtype
 
 
 def fused_projections(block: nn.Module) -> dict[int, int]:
@@ -60,8 +49,9 @@ def fused_projections(block: nn.Module) -> dict[int, int]:
 
 def block_matrices(model: nn.Module) -> dict[int, tuple[int, int]]:
     """id(param) -> (projections, output dim) for every weight matrix inside the transformer blocks: 2-D,
-    or 3-D as a batch (MoE experts), both last dims > 1, not an embedding's or a convolution's kernel.
-    The output dim (0: rows as nn.Linear, 1: columns as transformers' Conv1D) orients the lr adjustment."""
+    or 3-D as a batch (MoE experts), both last dims > 1, not an embedding's or a convolution's kernel, not
+    a per-expert bias stack. The output dim (0: rows as nn.Linear, 1: columns as transformers' Conv1D and
+    transposed expert stacks) orients the lr adjustment."""
     from lmpretrain.model.speed import transformer_blocks  # here: it loads transformers' model registry
 
     blocks = transformer_blocks(model)
@@ -79,9 +69,19 @@ def block_matrices(model: nn.Module) -> dict[int, tuple[int, int]]:
         for module in block.modules():
             if isinstance(module, not_matrices):
                 continue
-            for p in module.parameters(recurse=False):
-                if p.requires_grad and p.dim() in (2, 3) and min(p.shape[-2:]) > 1:
-                    matrices[id(p)] = (fused.get(id(p), 1), 1 if isinstance(module, Conv1D) else 0)
+            own = list(module.parameters(recurse=False))
+            # Beside expert stacks (E, rows, cols), a 2-D parameter is a stack of per-expert bias vectors
+            # (GPT-OSS's gate_up_proj_bias), not a matrix.
+            experts = any(p.dim() == 3 for p in own)
+            # transformers' experts modules state their layout: is_transposed = (E, in, out) (GPT-OSS).
+            transposed = bool(getattr(module, "is_transposed", False))
+            for p in own:
+                if not (p.requires_grad and p.dim() in (2, 3) and min(p.shape[-2:]) > 1) or (
+                    experts and p.dim() == 2
+                ):
+                    continue
+                in_out = isinstance(module, Conv1D) or (p.dim() == 3 and transposed)
+                matrices[id(p)] = (fused.get(id(p), 1), int(in_out))
     if not matrices:
         raise ConfigError(
             [
@@ -101,6 +101,8 @@ def muon_hyperparameters(optim_cfg) -> dict:
         # The schedule sets every group's lr to optim.lr times its factor; this makes it muon_lr times it.
         "lr_ratio": optim_cfg.muon_lr / optim_cfg.lr if original else 1.0,
         "weight_decay": optim_cfg.weight_decay,
+        "ns_dtype": optim_cfg.muon_ns_dtype,
+        "spread": optim_cfg.muon_spread,
     }
 
 
@@ -113,7 +115,7 @@ def muon_groups(model: nn.Module, optim_cfg) -> list[dict]:
             by_layout.setdefault(layouts[id(p)], []).append(p)
     groups = []
     for (pieces, out_dim), params in sorted(by_layout.items()):
-        name = "muon" + ("_conv1d" if out_dim else "") + (f"_fused{pieces}" if pieces > 1 else "")
+        name = "muon" + ("_in_out" if out_dim else "") + (f"_fused{pieces}" if pieces > 1 else "")
         groups.append(
             {
                 "params": params,
@@ -166,67 +168,51 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self) -> None:
-        work = []  # (param, group, Nesterov update)
+        work = []  # per group: (group, params, Nesterov updates)
         for group in self.param_groups:
-            if group["kind"] != "muon":
+            params = [p for p in group["params"] if p.grad is not None] if group["kind"] == "muon" else []
+            if not params:
                 continue
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                work.append((p, group, p.grad.lerp(buf, group["momentum"])))
-        for (p, group, _), ortho in zip(work, _orthogonalised(work), strict=True):
+            grads = [p.grad for p in params]
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
+            work.append((group, params, torch._foreach_lerp(grads, bufs, group["momentum"])))
+        if not work:
+            return
+        params = [p for _, ps, _ in work for p in ps]
+        groups = [g for g, ps, _ in work for _ in ps]
+        updates = [u for _, _, us in work for u in us]
+        spread, _ = spread_decision(
+            params, groups, _world_size(), isinstance(updates[0], DTensor), _local_device(updates[0])
+        )
+        orthos = iter(orthogonalised(updates, groups, spread))
+        for group, params, _ in work:
             lr = group["lr"] * group["lr_ratio"]
-            rows, cols = p.shape[-2:]
-            if group["out_dim"]:  # (in, out) storage: the lr adjustment reads (out, in)
-                rows, cols = cols, rows
-            p.mul_(1 - lr * group["weight_decay"])  # decoupled, as AdamW's
-            p.add_(ortho, alpha=-_adjust_lr(lr, group["lr_scale"], (rows // group["pieces"], cols)))
+            ortho = [next(orthos) for _ in params]
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])  # decoupled, as AdamW's
+            torch._foreach_mul_(
+                ortho, [-_adjust_lr(lr, group["lr_scale"], _out_in(p, group)) for p in params]
+            )
+            torch._foreach_add_(params, ortho)
 
 
-def _orthogonalise_layout(update: torch.Tensor, group: dict) -> torch.Tensor:
-    if group["pieces"] == 1:
-        return orthogonalise(update, group["ns_steps"])
-    dim = update.dim() - 2 + group["out_dim"]  # fused projections lie side by side along the outputs
-    parts = update.chunk(group["pieces"], dim=dim)
-    return torch.cat([orthogonalise(x, group["ns_steps"]) for x in parts], dim=dim)
+def _out_in(p: torch.Tensor, group: dict) -> tuple[int, int]:
+    """(outputs, inputs) of one of the tensor's matrices, for the lr adjustment."""
+    rows, cols = p.shape[-2:]
+    if group["out_dim"]:  # (in, out) storage
+        rows, cols = cols, rows
+    return rows // group["pieces"], cols
 
 
-def _orthogonalised(work: list) -> list[torch.Tensor]:
-    """Every update orthogonalised whole; DTensor shards come back as shards of the same placement."""
-    out: list = [None] * len(work)
-    sharded = []
-    for i, (_, group, update) in enumerate(work):
-        if isinstance(update, DTensor):
-            sharded.append(i)
-        else:
-            out[i] = _orthogonalise_layout(update, group)
-    if not sharded:
-        return out
-    mesh = work[sharded[0]][2].device_mesh
-    if mesh.ndim != 1:  # e.g. HSDP: every rank orthogonalises every matrix (correct, not spread)
-        for i in sharded:
-            _, group, update = work[i]
-            full = _orthogonalise_layout(update.full_tensor(), group)
-            out[i] = distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
-        return out
-    pg, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-    for start in range(0, len(sharded), world):
-        chunk = sharded[start : start + world]
-        whole = [work[i][2].full_tensor().contiguous() for i in chunk]
-        for owner, (i, full) in enumerate(zip(chunk, whole, strict=True)):
-            if owner == me:
-                full.copy_(_orthogonalise_layout(full, work[i][1]))
-        for owner, full in enumerate(whole):
-            dist.broadcast(full, src=dist.get_global_rank(pg, owner), group=pg)
-        for i, full in zip(chunk, whole, strict=True):
-            update = work[i][2]
-            out[i] = distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
-    return out
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _local_device(t: torch.Tensor) -> torch.device:
+    return t.to_local().device if isinstance(t, DTensor) else t.device
 
 
 def muon_problems(optim_cfg, sharding: str) -> list[str]:
@@ -255,4 +241,20 @@ def describe_muon(optimizer: MuonAdamW) -> str:
         f"Muon: {sum(map(matrix_count, groups))} matrices in {sum(len(x['params']) for x in groups)} tensors"
         f"{fused_note}, {n:,} params (Nesterov momentum {g['momentum']}, {g['ns_steps']} Newton-Schulz "
         f"steps, lr {lr}, weight_decay={g['weight_decay']})"
+    )
+
+
+def describe_muon_implementation(
+    optimizer: MuonAdamW, device: torch.device, world_size: int, sharded: bool
+) -> str:
+    """The iteration's dtype and batches, and where it runs (the spread decision and its reason)."""
+    pairs = [(p, g) for g in optimizer.param_groups if g["kind"] == "muon" for p in g["params"]]
+    params, groups = [p for p, _ in pairs], [g for _, g in pairs]
+    g = groups[0]
+    dtype = iteration_dtype(g["ns_dtype"], params[0].dtype, device)
+    shapes = [_out_in(p, group) for p, group in pairs]
+    _, where = spread_decision(params, groups, world_size, sharded, device)
+    return (
+        f"Muon: Newton-Schulz in {str(dtype).removeprefix('torch.')} (optim.muon_ns_dtype={g['ns_dtype']}), "
+        f"{batches(shapes)} batched iterations a step (one per matrix shape), foreach momentum and update; {where}"
     )

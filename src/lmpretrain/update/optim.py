@@ -9,7 +9,13 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from lmpretrain.update.muon import MuonAdamW, describe_muon, muon_groups, muon_hyperparameters
+from lmpretrain.update.muon import (
+    MuonAdamW,
+    describe_muon,
+    describe_muon_implementation,
+    muon_groups,
+    muon_hyperparameters,
+)
 
 
 def param_groups(
@@ -94,15 +100,25 @@ def keep_implementation(optimizer: torch.optim.Optimizer, *, fused: bool) -> Non
             group["fused"], group["foreach"] = fused, not fused
 
 
-def describe_implementation(optimizer: torch.optim.Optimizer, optim_cfg, device: torch.device) -> str:
-    """Which AdamW kernel runs, and why when it is not the one asked for."""
+def describe_implementation(
+    optimizer: torch.optim.Optimizer,
+    optim_cfg,
+    device: torch.device,
+    world_size: int = 1,
+    sharded: bool = False,
+) -> str:
+    """Which AdamW kernel runs, and why when it is not the one asked for; with Muon, how its iteration runs
+    (dtype, batches) and whether it is spread over the `world_size` ranks (`sharded`: FSDP2)."""
     fused = next(g["fused"] for g in optimizer.param_groups if g.get("kind") != "muon")
     why = ""
     if optim_cfg.fused and not fused:
         why = f" (no fused AdamW kernel for {device.type})"
     elif not optim_cfg.fused:
         why = " (optim.fused=false)"
-    return f"AdamW implementation: {'fused' if fused else 'foreach'}{why}"
+    line = f"AdamW implementation: {'fused' if fused else 'foreach'}{why}"
+    if isinstance(optimizer, MuonAdamW):
+        line += "; " + describe_muon_implementation(optimizer, device, world_size, sharded)
+    return line
 
 
 def apply_hyperparameters(optimizer: torch.optim.Optimizer, optim_cfg) -> None:

@@ -37,6 +37,8 @@ _OPTIM_FIELDS = (
     "muon_momentum",
     "muon_ns_steps",
     "muon_lr_scale",
+    "muon_ns_dtype",
+    "muon_spread",
     "muon_lr",
 )
 

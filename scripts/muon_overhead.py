@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Muon's training-step time over AdamW's, side by side in one process.
+
+    python scripts/muon_overhead.py configs/default.yaml [--shape chars|config] [--steps 20] [--warmup 3]
+                                    [--threads 1] [--section.field=value ...]
+
+Two copies of the model (same init) train, one with optim.name=adamw and one with optim.name=muon (the
+rest of the config as given), alternating step by step (A B A B ...) so that a loaded machine slows both
+alike. A step is the recipe's work minus data loading: grad_accum_steps forwards and backwards of
+micro_batch_size random token rows (the step's time does not depend on the tokens), clipping, the
+optimizer step, zero_grad. Prints each optimizer's median step and optimizer-step-only time and the
+ratios of the medians. `--shape chars` is make benchmark's small-vocabulary shape: GPT-2 4 layers x 4
+heads x 128 wide, 64-token blocks, 12 rows a step, the 65-symbol character tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmark  # noqa: E402  (make benchmark's shapes)
+
+from lmpretrain.config import load_config  # noqa: E402
+from lmpretrain.data.tokenizer import load_tokenizer  # noqa: E402
+from lmpretrain.model.build import build_model, build_model_config  # noqa: E402
+from lmpretrain.update.optim import build_optimizer, describe_implementation  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("--shape", choices=["chars", "config"], default="config")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args, overrides = parser.parse_known_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.config
+        if args.shape == "chars":
+            path = benchmark.gpt2_shape(
+                path, Path(tmp), benchmark.CHARS, len(load_tokenizer(benchmark.CHARS))
+            )
+        runs = {}
+        for name in ("adamw", "muon"):
+            cfg = load_config([path, *overrides, f"--optim.name={name}"])
+            torch.manual_seed(0)
+            model = build_model(
+                build_model_config(cfg.model, load_tokenizer(cfg.data.tokenizer)), None, "float32"
+            )
+            opt = build_optimizer(model, cfg.optim)
+            runs[name] = (cfg, model, opt)
+            print(f"{name}: {describe_implementation(opt, cfg.optim, torch.device('cpu'))}")
+    cfg = runs["adamw"][0]
+    vocab = runs["adamw"][1].config.vocab_size
+    shape = (cfg.train.micro_batch_size, cfg.data.seq_len)
+    print(
+        f"shape: {type(runs['adamw'][1]).__name__}, {cfg.train.grad_accum_steps} x {shape} tokens a step, "
+        f"vocab {vocab}, {args.threads} thread(s)"
+    )
+    step_t: dict[str, list[float]] = {n: [] for n in runs}
+    opt_t: dict[str, list[float]] = {n: [] for n in runs}
+    gen = torch.Generator().manual_seed(1)
+    for i in range(args.warmup + args.steps):
+        batches = [torch.randint(0, vocab, shape, generator=gen) for _ in range(cfg.train.grad_accum_steps)]
+        for name, (run_cfg, model, opt) in runs.items():
+            start = time.perf_counter()
+            for ids in batches:
+                model(input_ids=ids, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), run_cfg.train.max_grad_norm)
+            mid = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            end = time.perf_counter()
+            if i >= args.warmup:
+                step_t[name].append(end - start)
+                opt_t[name].append(end - mid)
+    med = {n: statistics.median(step_t[n]) for n in runs}
+    med_opt = {n: statistics.median(opt_t[n]) for n in runs}
+    for n in runs:
+        print(f"{n}: step median {med[n] * 1e3:.1f} ms, optimizer step median {med_opt[n] * 1e3:.1f} ms")
+    print(
+        f"muon / adamw step time (ratio of medians, {args.steps} interleaved steps each): "
+        f"{med['muon'] / med['adamw']:.3f}x; optimizer step alone: {med_opt['muon'] / med_opt['adamw']:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()

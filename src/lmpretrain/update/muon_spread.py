@@ -1,0 +1,244 @@
+"""Where Muon's orthogonalisation runs when there is more than one rank (optim.muon_spread).
+
+* FSDP2 (a DTensor sharded on dim 0 over one mesh dim): each matrix has one owner rank (largest first, to
+  the least-loaded rank). One all-to-all sends every rank's rows of a matrix to its owner, the owner
+  orthogonalises its matrices (batched), and a second all-to-all returns each rank its rows of the
+  results. A rank receives about 2 x (the matrices' bytes / world): its own matrices' other rows, then its
+  rows of everyone else's. A 3-D expert stack sharded on dim 0 holds whole experts on each rank: they are
+  orthogonalised where they are, with no communication. Under HSDP the same runs within each shard
+  group (the replicas repeat it).
+* DDP (plain tensors, every rank holds every update): each rank orthogonalises its share and one
+  all-gather gives every rank all the results.
+* Not spread: every rank orthogonalises every matrix (FSDP2: each update is gathered whole first).
+
+Every collective is a plain torch.distributed call whose sizes come from shapes only (no host reads of
+tensor values), so it runs on gloo, NCCL and a fake process group alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from lmpretrain.update.newton_schulz import iteration_dtype, orthogonalise_all
+
+# The roofline optim.muon_spread=auto uses under DDP: spreading saves (1 - 1/world) of the Newton-Schulz
+# FLOPs at the first rate and costs an all-gather of (1 - 1/world) of the matrices' bytes at the second.
+# Round figures: bf16 matmul on a current datacenter GPU and its all-gather bus bandwidth; one CPU process's
+# float32 matmul and gloo over loopback.
+ROOFLINE = {"cuda": (4e14, 1e11), "cpu": (5e10, 2e9)}  # (FLOP/s, bytes/s)
+
+
+def ns_flops(shape: tuple[int, ...], steps: int, pieces: int = 1) -> int:
+    """Newton-Schulz FLOPs of one update: per matrix (rows <= cols) and step, X X^T, its square and the
+    product with X: 4 r^2 c + 2 r^3."""
+    rows, cols = shape[-2:]
+    batch = math.prod(shape[:-2]) * pieces
+    rows, cols = sorted((rows, cols // pieces if pieces > 1 else cols))
+    return batch * steps * (4 * rows * rows * cols + 2 * rows**3)
+
+
+def spread_decision(params: list, groups: list[dict], world: int, sharded: bool, device) -> tuple[bool, str]:
+    """Whether the matrices' orthogonalisation is spread over the ranks, and why (the start-up line's words)."""
+    setting = groups[0]["spread"]
+    if world == 1:
+        return False, "one process: every matrix here"
+    if setting == "never":
+        return False, f"optim.muon_spread=never: each of the {world} ranks orthogonalises every matrix"
+    if sharded:
+        how = "each matrix's rows go to its owner rank and its result's rows come back (two all-to-alls)"
+        why = "always" if setting == "always" else "auto: it moves fewer bytes than gathering every matrix"
+        return True, f"spread over {world} ranks under FSDP2 ({why}): {how}"
+    how = "each rank orthogonalises its share, one all-gather shares the results"
+    if setting == "always":
+        return True, f"spread over {world} ranks (optim.muon_spread=always): {how}"
+    flops = sum(
+        ns_flops(tuple(p.shape), g["ns_steps"], g["pieces"]) for p, g in zip(params, groups, strict=True)
+    )
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    rate, bandwidth = ROOFLINE.get(device.type, ROOFLINE["cuda"])
+    saved, cost = flops / rate * (1 - 1 / world), nbytes / bandwidth * (1 - 1 / world)
+    roofline = (
+        f"Newton-Schulz {flops / 1e9:.3g} GFLOP at {rate:.0e} FLOP/s saves {saved * 1e3:.3g} ms, the all-gather "
+        f"of {nbytes / 2**20:.3g} MiB at {bandwidth:.0e} B/s costs {cost * 1e3:.3g} ms"
+    )
+    if saved > cost:
+        return True, f"spread over {world} ranks (optim.muon_spread=auto: {roofline}): {how}"
+    return False, f"not spread (optim.muon_spread=auto: {roofline}): every rank orthogonalises every matrix"
+
+
+def owners(sizes: list[int], world: int) -> list[int]:
+    """The rank that orthogonalises each matrix: largest first, each to the least-loaded rank (ties: the
+    lowest), the same on every rank."""
+    load, owner = [0] * world, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[i], load[rank] = rank, load[rank] + sizes[i]
+    return owner
+
+
+def shard_rows(n: int, world: int) -> list[int]:
+    """Rows of each rank's dim-0 shard of an n-row tensor (torch.chunk's split, as DTensor's Shard(0))."""
+    size = -(-n // world)
+    return [max(0, min(size, n - r * size)) for r in range(world)]
+
+
+def orthogonalised(updates: list, groups: list[dict], spread: bool) -> list:
+    """Every update orthogonalised (per projection, per expert); DTensors come back with their placements."""
+    out: list = [None] * len(updates)
+    plain = [i for i, u in enumerate(updates) if not isinstance(u, DTensor)]
+    sharded = [i for i, u in enumerate(updates) if isinstance(u, DTensor)]
+    if plain:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        results = (_gathered if spread and world > 1 else _local)(
+            [updates[i] for i in plain], [groups[i] for i in plain]
+        )
+        for i, r in zip(plain, results, strict=True):
+            out[i] = r
+    routable = [i for i in sharded if spread and _shard_dim(updates[i]) is not None]
+    for i, r in zip(
+        routable, _routed([updates[i] for i in routable], [groups[i] for i in routable]), strict=True
+    ):
+        out[i] = r
+    rest = [i for i in sharded if i not in set(routable)]
+    if rest:  # not spread (or a placement other than dim-0 shards): every rank gathers and does every matrix
+        whole = _local([updates[i].full_tensor() for i in rest], [groups[i] for i in rest])
+        for i, full in zip(rest, whole, strict=True):
+            u = updates[i]
+            out[i] = distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
+    return out
+
+
+def _pieces(update: torch.Tensor, group: dict) -> tuple[torch.Tensor, ...]:
+    """The update as (n, rows, cols) stacks: one per fused projection (side by side along the outputs)."""
+    x = update if update.dim() == 3 else update.unsqueeze(0)
+    return x.chunk(group["pieces"], dim=1 + group["out_dim"])
+
+
+def _local(updates: list[torch.Tensor], groups: list[dict]) -> list[torch.Tensor]:
+    """Orthogonalised here, every same-shape matrix of a (steps, dtype) batch at once."""
+    mats, keys = [], []
+    for u, g in zip(updates, groups, strict=True):
+        parts = _pieces(u, g)
+        mats.append(parts)
+        keys.append((g["ns_steps"], iteration_dtype(g["ns_dtype"], u.dtype, u.device)))
+    results: list = [None] * len(updates)
+    for key in dict.fromkeys(keys):
+        idx = [i for i, k in enumerate(keys) if k == key]
+        flat = orthogonalise_all([m for i in idx for m in mats[i]], *key)
+        for i in idx:
+            parts, flat = flat[: len(mats[i])], flat[len(mats[i]) :]
+            g = groups[i]
+            results[i] = torch.cat(parts, dim=1 + g["out_dim"]).reshape(updates[i].shape)
+    return results
+
+
+def _flat(tensors: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if not tensors:
+        return like.new_empty(0)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _by_dtype(updates: list) -> list[list[int]]:
+    """Indices per dtype: each collective carries one dtype."""
+    order = dict.fromkeys(u.dtype for u in updates)
+    return [[i for i, u in enumerate(updates) if u.dtype == d] for d in order]
+
+
+def _gathered(updates: list[torch.Tensor], groups: list[dict]) -> list[torch.Tensor]:
+    """DDP: each rank orthogonalises the updates it owns; an all-gather of equal-size (padded) buffers."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    out: list = [None] * len(updates)
+    for idx in _by_dtype(updates):
+        owner = owners([updates[i].numel() for i in idx], world)
+        mine = [i for i, o in zip(idx, owner, strict=True) if o == me]
+        per_rank = [[i for i, o in zip(idx, owner, strict=True) if o == r] for r in range(world)]
+        width = max(sum(updates[i].numel() for i in ranks) for ranks in per_rank)
+        like = updates[idx[0]]
+        buffer = like.new_zeros(width)
+        done = _flat(_local([updates[i] for i in mine], [groups[i] for i in mine]), like)
+        buffer[: done.numel()] = done
+        everything = like.new_empty(world * width)
+        dist.all_gather_into_tensor(everything, buffer)
+        for r, chunk in enumerate(everything.split(width)):
+            sizes = [updates[i].numel() for i in per_rank[r]]
+            for i, part in zip(per_rank[r], chunk[: sum(sizes)].split(sizes), strict=True):
+                out[i] = part.view(updates[i].shape)
+    return out
+
+
+def _shard_dim(update: DTensor) -> int | None:
+    """The mesh dim that shards the tensor on dim 0 when every other mesh dim replicates it, else None."""
+    dims = [d for d, p in enumerate(update.placements) if p == Shard(0)]
+    others = all(p == Replicate() for d, p in enumerate(update.placements) if d not in dims)
+    return dims[0] if len(dims) == 1 and others else None
+
+
+def _routed(updates: list[DTensor], groups: list[dict]) -> list[DTensor]:
+    """FSDP2: expert stacks where they are; matrices to their owners and back (see the module's doc)."""
+    out: list = [None] * len(updates)
+    stacks = [i for i, u in enumerate(updates) if u.dim() == 3]  # dim-0 shards of experts: whole matrices
+    local = _local([updates[i].to_local() for i in stacks], [groups[i] for i in stacks])
+    for i, r in zip(stacks, local, strict=True):
+        out[i] = _like(r, updates[i])
+    matrices = [i for i, u in enumerate(updates) if u.dim() != 3]
+    for idx in _by_dtype([updates[i] for i in matrices]):
+        idx = [matrices[j] for j in idx]
+        for i, r in zip(idx, _exchange([updates[i] for i in idx], [groups[i] for i in idx]), strict=True):
+            out[i] = r
+    return out
+
+
+def _like(local: torch.Tensor, update: DTensor) -> DTensor:
+    return DTensor.from_local(
+        local,
+        update.device_mesh,
+        update.placements,
+        run_check=False,
+        shape=update.shape,
+        stride=update.stride(),
+    )
+
+
+def _exchange(updates: list[DTensor], groups: list[dict]) -> list[DTensor]:
+    """Rows to the owners, orthogonalised there, rows back: two all-to-alls over the shard group."""
+    mesh, dim = updates[0].device_mesh, _shard_dim(updates[0])
+    pg, world, me = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+    n = len(updates)
+    rows = [shard_rows(u.shape[0], world) for u in updates]
+    width = [math.prod(u.shape[1:]) for u in updates]
+    owner = owners([u.numel() for u in updates], world)
+    mine = [j for j in range(n) if owner[j] == me]
+    of = [[j for j in range(n) if owner[j] == r] for r in range(world)]
+    like = updates[0].to_local()
+    # 1: my rows of every matrix to its owner; from every rank s, its rows of mine
+    sent = [sum(rows[j][me] * width[j] for j in of[r]) for r in range(world)]
+    received = [sum(rows[j][s] * width[j] for j in mine) for s in range(world)]
+    inbox = like.new_empty(sum(received))
+    outbox = _flat([updates[j].to_local() for r in range(world) for j in of[r]], like)
+    dist.all_to_all_single(inbox, outbox, received, sent, group=pg)
+    parts: dict[int, list] = {j: [] for j in mine}
+    for s, chunk in enumerate(inbox.split(received)):
+        for j, piece in zip(mine, chunk.split([rows[j][s] * width[j] for j in mine]), strict=True):
+            parts[j].append(piece.view(rows[j][s], *updates[j].shape[1:]))
+    results = _local([torch.cat(parts[j]) for j in mine], [groups[j] for j in mine])
+    # 2: to every rank s its rows of my results; from every owner, my rows of its
+    starts = [[sum(rows[j][:s]) for s in range(world)] for j in range(n)]
+    outbox = _flat(
+        [
+            r[starts[j][s] : starts[j][s] + rows[j][s]]
+            for s in range(world)
+            for j, r in zip(mine, results, strict=True)
+        ],
+        like,
+    )
+    inbox = like.new_empty(sum(sent))
+    dist.all_to_all_single(inbox, outbox, sent, received, group=pg)
+    out: list = [None] * n
+    for r, chunk in enumerate(inbox.split(sent)):
+        for j, piece in zip(of[r], chunk.split([rows[j][me] * width[j] for j in of[r]]), strict=True):
+            out[j] = _like(piece.view(rows[j][me], *updates[j].shape[1:]), updates[j])
+    return out

@@ -1,0 +1,48 @@
+"""The tiny float64 models, batches and Muon settings tests/test_muon_spread.py and its gloo workers share:
+uneven shards (45 MLP rows on 2 and 4 ranks, 3 experts), an odd number of matrices (7 in a Llama layer),
+GPT-2's fused QKV and Mixtral's 3-D expert stacks."""
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lmpretrain.config import OptimConfig
+
+VOCAB = 64
+TINY = {
+    "llama": {
+        "hidden_size": 32,
+        "intermediate_size": 45,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+    },
+    "gpt2": {"n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 16, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+             "attn_pdrop": 0.0},
+    "mixtral": {
+        "hidden_size": 32,
+        "intermediate_size": 24,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 3,
+        "num_experts_per_tok": 2,
+    },
+}  # fmt: skip
+MODELS = tuple(TINY)
+
+
+def build(model_type: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, **TINY[model_type])
+    config._attn_implementation = "eager"
+    extra = {"experts_implementation": "eager"} if model_type == "mixtral" else {}  # float64
+    return AutoModelForCausalLM.from_config(config, **extra).double()
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(100 + step))
+
+
+def muon_cfg(**kw) -> OptimConfig:
+    return OptimConfig(**{"name": "muon", "lr": 0.01, "weight_decay": 0.1, "muon_momentum": 0.9, **kw})

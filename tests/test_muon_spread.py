@@ -1,0 +1,190 @@
+"""Muon at scale: the batched iteration equals one matrix at a time, the iteration dtype, the owner
+assignment, and (slow) real gloo processes at 2 and 4 ranks: FSDP2 and DDP, spread and not, equal one
+process (float64, 1e-6), with the bytes each rank receives counted around the collectives."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from muon_spread_models import MODELS, batch, build, muon_cfg
+
+import recipe_runner as rr
+from lmpretrain.update.muon_spread import owners, shard_rows, spread_decision
+from lmpretrain.update.newton_schulz import iteration_dtype, newton_schulz, orthogonalise_all
+from lmpretrain.update.optim import build_optimizer, describe_implementation
+
+
+def test_batched_newton_schulz_equals_one_matrix_at_a_time():
+    gen = torch.Generator().manual_seed(0)
+    shapes = [
+        (1, 8, 20),
+        (3, 8, 20),
+        (1, 20, 8),
+        (2, 5, 5),
+        (1, 8, 20),
+        (1, 6, 9),
+    ]  # a tall one joins (8, 20)
+    mats = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes]
+    batched = orthogonalise_all(mats, 5, torch.float64)
+    for m, b in zip(mats, batched, strict=True):
+        for i in range(m.size(0)):
+            x = m[i] if m.size(-2) <= m.size(-1) else m[i].mT
+            alone = newton_schulz(x.unsqueeze(0), 5)[0]
+            alone = alone if m.size(-2) <= m.size(-1) else alone.mT
+            assert b.shape == m.shape and (b[i] - alone).abs().max() < 1e-12
+    # and it orthogonalises: the singular values of the result are near 1 (Muon's quintic keeps them in ~[0.7, 1.2])
+    s = torch.linalg.svdvals(batched[0][0])
+    assert s.min() > 0.6 and s.max() < 1.25
+
+
+def test_iteration_dtype():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert iteration_dtype("auto", torch.float32, cuda) == torch.bfloat16
+    assert iteration_dtype("auto", torch.float32, cpu) == torch.float32
+    assert iteration_dtype("auto", torch.float64, cuda) == torch.float64  # the equality tests keep float64
+    assert iteration_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    assert iteration_dtype("float32", torch.float64, cpu) == torch.float32
+
+
+def test_bfloat16_iteration_is_close_to_float32():
+    model = build("llama").float()
+    ids = batch(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    after = {}
+    for dtype in ("float32", "bfloat16"):
+        m = build("llama").float()
+        for p, q in zip(m.parameters(), model.parameters(), strict=True):
+            p.grad = q.grad.clone()
+        build_optimizer(m, muon_cfg(muon_ns_dtype=dtype)).step()
+        after[dtype] = m.model.layers[0].mlp.up_proj.weight
+    start = model.model.layers[0].mlp.up_proj.weight
+    f32, bf16 = (after[d] - start for d in ("float32", "bfloat16"))
+    # bf16 rounds every product of the iteration (as torch.optim.Muon does): the same update to ~15%
+    assert 0 < (bf16 - f32).norm() < 0.25 * f32.norm()
+    assert torch.nn.functional.cosine_similarity(bf16.flatten(), f32.flatten(), dim=0) > 0.97
+
+
+def test_owners_balance_bytes_and_shard_rows_follow_torch_chunk():
+    assert owners([4, 4, 4, 4], 2) == [0, 1, 0, 1]
+    assert owners([10, 1, 1, 1, 9], 2) == [0, 1, 0, 1, 1]  # largest first, to the least-loaded rank
+    for n in (45, 3, 1, 8):
+        for world in (2, 4):
+            assert shard_rows(n, world) == [len(c) for c in torch.empty(n).chunk(world)] + [0] * (
+                world - len(torch.empty(n).chunk(world))
+            )
+
+
+def test_the_start_up_line_says_which_runs():
+    model = build("llama")
+    opt = build_optimizer(model, muon_cfg())
+    cpu = torch.device("cpu")
+    line = describe_implementation(opt, muon_cfg(), cpu)
+    assert line.endswith(
+        "Muon: Newton-Schulz in float64 (optim.muon_ns_dtype=auto), 3 batched iterations a step (one per matrix "
+        "shape), foreach momentum and update; one process: every matrix here"
+    )
+    assert "spread over 4 ranks under FSDP2 (auto: it moves fewer bytes" in describe_implementation(
+        opt, muon_cfg(), cpu, 4, sharded=True
+    )
+    assert "each of the 2 ranks orthogonalises every matrix" in describe_implementation(
+        build_optimizer(model, muon_cfg(muon_spread="never")), muon_cfg(), cpu, 2
+    )
+    params = [p for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]]
+    groups = [g for g in opt.param_groups if g["kind"] == "muon" for _ in g["params"]]
+    # the DDP roofline: these 32-wide float64 matrices spread on a CPU, not on a GPU (comm-bound there)
+    assert spread_decision(params, groups, 2, False, cpu)[0]
+    spread, why = spread_decision(params, groups, 2, False, torch.device("cuda"))
+    assert not spread and why.startswith("not spread (optim.muon_spread=auto: Newton-Schulz ")
+
+
+# ---- Real gloo processes (slow) -------------------------------------------------------------------
+
+
+def one_process_reference() -> dict:
+    """Each model's weights after the same two steps in this process (one rank)."""
+    weights = {}
+    for model_type in MODELS:
+        model = build(model_type)
+        opt = build_optimizer(model, muon_cfg())
+        for step in range(2):
+            ids = batch(step)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        weights[model_type] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return weights
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return one_process_reference()
+
+
+def launch(world: int, out) -> dict:
+    port = rr.free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(rr.ROOT / "tests" / "muon_spread_worker.py"), str(out)],
+            env=rr.env_for_runs(
+                {
+                    "RANK": str(r),
+                    "WORLD_SIZE": str(world),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                }
+            ),
+        )
+        for r in range(world)
+    ]
+    codes = [p.wait(timeout=900) for p in procs]
+    assert codes == [0] * world
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_and_ddp_spread_or_not_equal_one_process_and_fsdp2_receives_2_over_world(
+    world, reference, tmp_path
+):
+    runs = launch(world, tmp_path / "runs.pt")
+    for (model_type, layout, spread), run in runs.items():
+        ref = reference[model_type]
+        for name, w in run["weights"].items():
+            diff = ((w - ref[name]).norm() / ref[name].norm()).item()
+            assert diff < 1e-6, (model_type, layout, spread, name, diff)
+        share = run["muon_bytes"] / world
+        worst = max(max(steps) for steps in run["received"])  # bytes from other ranks, worst rank and step
+        ops = run["funcol"][-1]  # every collective of the last step (CommDebugMode)
+        if layout == "fsdp2" and spread == "always":  # two all-to-alls: no all-gather, no broadcast
+            assert ops == {"c10d.alltoall_base_": 2} and run["calls"] == {"all_to_all_single": 2}
+            assert 0 < worst <= 2.2 * share, (model_type, worst / share)
+        elif layout == "ddp" and spread == "always":  # one all-gather of every rank's (padded) results
+            assert ops == {"c10d._allgather_base_": 1} and run["calls"] == {"all_gather_into_tensor": 1}
+            # whole tensors are balanced largest first: no rank's share exceeds the mean plus the largest
+            assert 0 < worst <= (world - 1) * (share + run["largest"])
+        elif layout == "fsdp2":  # not spread: each update gathered whole on every rank
+            assert set(ops) == {"c10d_functional.all_gather_into_tensor"} and run["calls"] == {}
+        else:  # DDP, not spread: every rank orthogonalises every matrix, nothing is sent
+            assert ops == {} and run["calls"] == {}
+
+
+def test_a_resume_with_another_spread_or_ns_dtype_says_so_in_one_line():
+    from lmpretrain.config import load_config
+    from lmpretrain.update.optim import apply_hyperparameters
+    from lmpretrain.update.schedule import hyperparameter_changes
+
+    saved = load_config([str(rr.SMOKE), "--optim.name=muon"])
+    now = load_config(
+        [str(rr.SMOKE), "--optim.name=muon", "--optim.muon_spread=never", "--optim.muon_ns_dtype=float32"]
+    )
+    line = hyperparameter_changes(saved.to_dict(), now, step=4, updates=4)
+    assert line.startswith(
+        "resumed with new hyper-parameters from step 4: optim.muon_ns_dtype auto -> float32, "
+        "optim.muon_spread auto -> never (lr "
+    )
+    opt = build_optimizer(build("llama"), saved.optim)  # a loaded state brings the saved settings back
+    apply_hyperparameters(opt, now.optim)
+    assert {(g["ns_dtype"], g["spread"]) for g in opt.param_groups if g["kind"] == "muon"} == {
+        ("float32", "never")
+    }

@@ -25,7 +25,8 @@ from typing import Any
 from lmpretrain.config import BLANK_LINES, SourceSpec
 from lmpretrain.data import readers
 from lmpretrain.data.readers import Piece
-from lmpretrain.data.token_files import TokenFiles, is_token_folder
+from lmpretrain.data.token_files import MAX_OPEN_FILES, TokenFiles, is_token_folder
+from lmpretrain.data.token_layouts import not_tokens_message
 from lmpretrain.errors import DataError
 
 TOKENS_FIELD = "input_ids"  # column of pre-tokenized parquet shards (scripts/prepare_data.py)
@@ -91,6 +92,13 @@ def infer_format(files: list[str]) -> str:
             "split them into several sources or set `format`"
         )
     return formats.pop()
+
+
+_TOKEN_KINDS = {
+    "lmpretrain": "token files",
+    "datatrove": "datatrove token files (.ds)",
+    "megatron": "Megatron indexed dataset (.bin/.idx)",
+}
 
 
 def _mb(n: int) -> str:
@@ -226,7 +234,8 @@ class Source:
             "parquet": f"parquet, column {self.field!r}",
             "tokens": "pre-tokenized parquet"
             if self.token_files is None
-            else f"token files, {self.token_files.tokens:,} tokens in {self.token_files.documents:,} documents",
+            else f"{_TOKEN_KINDS[self.token_files.format]}, {self.token_files.tokens:,} tokens in "
+            f"{self.token_files.documents:,} documents, one stream across its shards",
         }[self.format]
         n = len(self.files)
         where = (
@@ -250,8 +259,9 @@ class Source:
         return {**asdict(self.spec), "expanded": files}
 
 
-def open_source(spec: SourceSpec | dict) -> Source:
-    """Open a source; checks files, format and field before any work."""
+def open_source(spec: SourceSpec | dict, max_open_files: int = MAX_OPEN_FILES) -> Source:
+    """Open a source; checks files, format and field before any work. Token files hold at most
+    `max_open_files` descriptors per process."""
     spec = as_spec(spec)
     if spec.hub:
         return _open_hub(spec)
@@ -262,7 +272,11 @@ def open_source(spec: SourceSpec | dict) -> Source:
             raise DataError(f"unknown builtin dataset {spec.name!r}; available: {sorted(BUILTIN_DATASETS)}")
         files, fmt = BUILTIN_DATASETS[spec.name](spec.split), "json"
     elif spec.format in ("tokens", None) and any(map(is_token_folder, spec.files or [])):
-        return _open_token_files(spec)
+        return _open_token_files(spec, max_open_files)
+    elif spec.format == "tokens" or _looks_like_token_files(spec.files or []):
+        # A token folder missing its header, the old parquet token cache, or a path that is not token files.
+        problems = [m for m in map(not_tokens_message, spec.files or []) if m]
+        raise DataError(f"source {spec.label}: " + "; ".join(problems))
     else:
         files = expand_files(spec.files)
         fmt = spec.format or infer_format(files)
@@ -287,17 +301,24 @@ def _file_size(path: str) -> int:
     return int(fs.size(inner))
 
 
-def _open_token_files(spec: SourceSpec) -> Source:
-    """A source over token-file folders (scripts/prepare_data.py); every path must be one."""
+def _looks_like_token_files(paths: list[str]) -> bool:
+    """A folder of .bin / .ds.index files that no token layout claims: not to be read as text."""
+    folders = [Path(os.path.expanduser(p)) for p in paths if os.path.isdir(os.path.expanduser(p))]
+    return any(next(f.glob("*.bin"), None) or next(f.glob("*.ds.index"), None) for f in folders)
+
+
+def _open_token_files(spec: SourceSpec, max_open_files: int = MAX_OPEN_FILES) -> Source:
+    """A source over token layouts (data/token_layouts.py: lmpretrain token files, datatrove folders,
+    Megatron prefixes); every path must be one."""
     others = [f for f in spec.files if not is_token_folder(f)]
     if others:
         raise DataError(
-            f"source {spec.label}: {others} are not token-file folders (no tokens.json) while the other paths "
-            "are; give token files and other files as separate sources"
+            f"source {spec.label}: {others} are not token files (no tokens.json, datatrove .ds or Megatron "
+            ".idx) while the other paths are; give token files and other files as separate sources"
         )
     if spec.separator is not None:
         raise DataError(f"source {spec.label}: separator applies to text files only, these are token files")
-    return Source(spec, "tokens", token_files=TokenFiles(spec.files))
+    return Source(spec, "tokens", token_files=TokenFiles(spec.files, max_open_files))
 
 
 def _open_hub(spec: SourceSpec) -> Source:
@@ -399,11 +420,13 @@ def read_tokens_meta(source: Source) -> dict | None:
     return json.loads(meta.read_text()) if meta.exists() else None
 
 
-def open_sources(specs: list[SourceSpec | dict], tokenizer) -> list[Source]:
+def open_sources(
+    specs: list[SourceSpec | dict], tokenizer, max_open_files: int = MAX_OPEN_FILES
+) -> list[Source]:
     """Open every source; pre-tokenized ones must come from this tokenizer."""
     if not specs:
         raise DataError("no data sources given (data.train or data.eval is empty)")
-    opened = [open_source(s) for s in specs]
+    opened = [open_source(s, max_open_files) for s in specs]
     for src in opened:
         if src.token_files is not None:
             from lmpretrain.data.token_files import check_tokenizer

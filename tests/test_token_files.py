@@ -110,7 +110,9 @@ def test_every_block_of_an_epoch_is_drawn_once_and_epochs_reshuffle(tmp_path, sm
     drawn = rows(results)
     first, second = drawn[:n], drawn[n : 2 * n]
     blocks = corpus_blocks(folder, 16, offsets[0])
-    assert Counter(first) == Counter(blocks) and Counter(second) == Counter(corpus_blocks(folder, 16, offsets[1]))
+    assert Counter(first) == Counter(blocks) and Counter(second) == Counter(
+        corpus_blocks(folder, 16, offsets[1])
+    )
     assert first != blocks  # a new order each epoch, not the file order
     assert [r.epoch for r in results] == [4 * (i + 1) // n for i in range(len(results))]
     # Without epoch offsets every epoch cuts the same grid, at multiples of seq_len of the stream.

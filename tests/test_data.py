@@ -18,7 +18,6 @@ from transformers import PreTrainedTokenizerFast
 from lmpretrain.config import DataConfig
 from lmpretrain.data import SourceSpec, heldout_blocks, merge_data_states
 from lmpretrain.data.heldout import MIN_DOCUMENTS
-from lmpretrain.data.prepare import pretokenize
 from lmpretrain.errors import DataError
 
 # ---- packing -------------------------------------------------------------------------------------------
@@ -307,27 +306,6 @@ def test_json_arrays_and_gzipped_json_lines_stream_the_same_documents(tmp_path, 
         epoch, skipped = result[-1].epoch, result[-1].skipped_docs  # one bad record per pass in a.json
         assert skipped in ((epoch, epoch + 1) if name == "a.json" else (0,))
     assert got["a.json"] == got["g.jsonl.gz"] == got[paths[0]] == [f"shard0.{k}" for k in range(7)]
-
-
-def test_pretokenized_shards_stream_like_the_text(tmp_path, small_tokenizer):
-    paths = write_jsonl_shards(tmp_path / "d", [6, 3, 8])
-    with open(paths[1], "a") as f:
-        f.write(json.dumps({"text": ""}) + "\n")
-    out = pretokenize(SourceSpec(files=paths), small_tokenizer, tmp_path / "tok")
-    assert len(out) == 3
-    kw = dict(num_streams=2, blocks_per_step=4)
-    text = [r for r in steps(make([SourceSpec(files=paths)], small_tokenizer, **kw), 15)[0]]
-    toks = [
-        r
-        for r in steps(
-            make([SourceSpec(files=[str(tmp_path / "tok")], format="tokens")], small_tokenizer, **kw), 15
-        )[0]
-    ]
-    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(text, toks, strict=True))
-    assert text[-1].skipped_docs == toks[-1].skipped_docs >= 1
-    other = PreTrainedTokenizerFast(tokenizer_object=small_tokenizer.backend_tokenizer, eos_token="<|bos|>")
-    with pytest.raises(DataError, match="another tokenizer"):
-        make([SourceSpec(files=[str(tmp_path / "tok")], format="tokens")], other)
 
 
 # ---- held-out blocks -------------------------------------------------------------------------------------------

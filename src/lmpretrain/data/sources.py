@@ -412,14 +412,6 @@ def _check_json_field(source: Source) -> None:
                     return
 
 
-def read_tokens_meta(source: Source) -> dict | None:
-    """Metadata written next to pre-tokenized shards (tokenizer hash), if any."""
-    if not source.files:
-        return None
-    meta = Path(source.files[0]).parent / TOKENS_META
-    return json.loads(meta.read_text()) if meta.exists() else None
-
-
 def open_sources(
     specs: list[SourceSpec | dict], tokenizer, max_open_files: int = MAX_OPEN_FILES
 ) -> list[Source]:
@@ -432,14 +424,4 @@ def open_sources(
             from lmpretrain.data.token_files import check_tokenizer
 
             check_tokenizer(src.token_files, tokenizer, src.label)
-            continue
-        meta = read_tokens_meta(src) if src.tokens else None
-        if meta is not None:
-            from lmpretrain.data.tokenizer import tokenizer_hash
-
-            if meta.get("tokenizer_hash") != tokenizer_hash(tokenizer):
-                raise DataError(
-                    f"source {src.label} was pre-tokenized with another tokenizer "
-                    f"({meta.get('tokenizer')!r}); re-run scripts/prepare_data.py with this one"
-                )
     return opened

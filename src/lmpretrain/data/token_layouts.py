@@ -86,7 +86,7 @@ def not_tokens_message(path: str) -> str | None:
     folder = p if p.is_dir() else p.parent  # the folder, or the folder of a file of it
     if (folder / OLD_CACHE_META).is_file() or any(folder.glob("*.parquet")):
         meta = folder / OLD_CACHE_META
-        tok = json.loads(meta.read_text()).get("tokenizer", "?") if meta.is_file() else "?"
+        tok = (json.loads(meta.read_text()).get("tokenizer") if meta.is_file() else None) or "TOKENIZER"
         return (
             f"{path} is the old parquet token cache of data/prepare.py, which `format: tokens` no longer reads; "
             f"convert it by tokenizing its source again into token files: `python scripts/prepare_data.py "

@@ -2,7 +2,7 @@
 
     python scripts/benchmark_data.py                       # everything below (each in its own subprocess)
     python scripts/benchmark_data.py big-restore rss       # some of it: throughput restore big-restore rss mixing
-                                                           #   tokens tokens-rss
+                                                           #   tokens tokens-rss shards
     python scripts/benchmark_data.py mixing --rows rows.npy --corpus DIR --tokenizer DIR   # rows saved elsewhere
 
 * throughput: tokens/s of the default corpus' stream (seq_len 256, 8 streams, 16 blocks per step), 0 and 2 workers.
@@ -18,6 +18,9 @@
   written to the workdir by scripts/prepare_data.py if absent.
 * tokens-rss: peak RSS of the loader alone over those token files (global shuffle, --token-rss-steps steps)
   and over the same shards listed 10 times (a 10x corpus): flat in corpus size.
+* shards:     the same token stream as 75 shards (the default corpus' token files) and re-cut into 2,000 shards:
+  one data worker's tokens/s (num_workers=1, 256 blocks per step) and the loader's peak RSS on each (the
+  2,000 shards open at most data.max_open_files descriptors per process, and no document index is cached).
 * mixing:     the mixing statistics of the default recipe's first --mixing-steps steps. Each block's source
   files are found by matching its complete lines (>= 40 characters, unique in the corpus) to the file they
   occur in; then: distinct files per step, and the drift of the data with training: the Spearman correlation
@@ -211,6 +214,46 @@ def repeated_token_files(folder: Path, times: int, out: Path) -> Path:
             shards.append({**shard, "name": name})
     totals = {k: header[k] * times for k in ("tokens", "documents", "skipped")}
     (tmp / HEADER).write_text(json.dumps({**header, **totals, "shards": shards}))
+    tmp.rename(out)
+    return out
+
+
+def resharded_token_files(folder: Path, shards: int, out: Path) -> Path:
+    """`folder`'s token stream cut into `shards` shards: its first document, then equal lengths (a shard may
+    start inside a document: its index then lists a document start at 0), for reading benchmarks of the
+    global shuffle."""
+    import numpy as np
+
+    from lmpretrain.data.token_files import HEADER
+
+    if (out / HEADER).exists():
+        return out
+    header = json.loads((folder / HEADER).read_text())
+    names = [s["name"] for s in header["shards"]]
+    stream = np.concatenate([np.fromfile(folder / f"{n}.bin", dtype=header["dtype"]) for n in names])
+    lengths = [s["tokens"] for s in header["shards"]]
+    offsets = np.cumsum([0, *lengths[:-1]])
+    starts = np.concatenate(
+        [
+            np.fromfile(folder / f"{n}.idx", dtype="<u8")[:-1].astype(np.int64) + o
+            for n, o in zip(names, offsets, strict=True)
+        ]
+    )
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    # The first shard is the first document (its framing is what opening the source checks), the rest equal cuts.
+    rest = len(stream) - int(starts[1])
+    bounds = [0, *(int(starts[1]) + rest * k // (shards - 1) for k in range(shards))]
+    entries = []
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        name = f"shard-{k:05d}"
+        stream[a:b].tofile(tmp / f"{name}.bin")
+        inside = starts[(starts > a) & (starts < b)] - a
+        idx = np.concatenate([[0], inside, [b - a]]).astype("<u8")
+        idx.tofile(tmp / f"{name}.idx")
+        entries.append({"name": name, "tokens": int(b - a), "documents": len(idx) - 1})
+    documents = sum(e["documents"] for e in entries)
+    (tmp / HEADER).write_text(json.dumps({**header, "documents": documents, "shards": entries}))
     tmp.rename(out)
     return out
 
@@ -477,6 +520,22 @@ def main() -> None:
                 f"{args.token_rss_steps} steps of {BLOCKS} x {SEQ_LEN} tokens, global shuffle: {r['peak_rss_mb']:,.0f} MB"
             )
         print(f"10x corpus / 1x corpus peak RSS: {peaks[1] / peaks[0]:.3f}")
+    if "shards" in args.what:
+        one = stdlib_token_files(work)
+        many = resharded_token_files(one, 2000, work / "stdlib-tokens-2000-shards")
+        rates, peaks = [], []
+        for folder in (one, many):
+            n = len(json.loads((folder / "tokens.json").read_text())["shards"])
+            r = run_child("token-throughput", str(folder), "1", str(args.token_steps // 8), "256")
+            m = run_child("token-rss", str(folder), str(args.token_rss_steps))
+            rates.append(r["tokens_per_s"])
+            peaks.append(m["peak_rss_mb"])
+            print(
+                f"{n} shards, {m['tokens']:,} tokens: one data worker (num_workers=1), 256 blocks per step: "
+                f"{r['tokens_per_s']:,.0f} tokens/s over {r['steps']} steps; loader peak RSS "
+                f"({args.token_rss_steps} steps of {BLOCKS} blocks) {m['peak_rss_mb']:,.0f} MB"
+            )
+        print(f"2000 / 75 shards: tokens/s {rates[1] / rates[0]:.3f}, peak RSS {peaks[1] / peaks[0]:.3f}")
     if "mixing" in args.what:
         if args.rows:
             import numpy as np

@@ -167,4 +167,4 @@ def test_bad_token_folder_stops_the_recipe_with_one_message_before_the_model(wri
     run = rr.run(tmp_path / "run", *rr.QUICK, f"--data.train=[{{files: [{cut}]}}]", launch=None, check=False)
     assert run.returncode == 2, run.output[-3000:]
     assert "Traceback" not in run.output and "is truncated or damaged: prepare it again" in run.output
-    assert "[lmpretrain] model" not in run.output  # refused before the model is built
+    assert "[lmpretrain] data:" not in run.output and " parameters; optimizer groups" not in run.output

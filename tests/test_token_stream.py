@@ -149,6 +149,20 @@ def test_descriptors_stay_within_max_open_files(tmp_path, small_tokenizer):
     assert open_fds() == before
 
 
+def test_max_open_files_must_leave_descriptors_to_the_run():
+    import resource
+
+    from lmpretrain.config import DataConfig, data_problems
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        pytest.skip("no descriptor limit to check against")
+    assert data_problems(DataConfig(max_open_files=soft // 4), 1) == []
+    [problem] = data_problems(DataConfig(max_open_files=soft), 1)
+    assert f"data.max_open_files={soft} leaves too few of this process's {soft} file descriptors" in problem
+    assert data_problems(DataConfig(max_open_files=0), 1) == ["data.max_open_files must be >= 1"]
+
+
 @pytest.mark.slow
 def test_2000_shards_train_and_resume_under_ulimit_256_on_two_ranks_with_workers(tmp_path, stdlib_cache):
     from conftest import write_jsonl_shards

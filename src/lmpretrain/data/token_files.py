@@ -57,8 +57,12 @@ class TokenFiles:
     def __init__(self, paths: list[str], max_open_files: int = MAX_OPEN_FILES):
         self.layouts: list[Layout] = [open_layout(os.path.expanduser(p)) for p in paths]
         first = self.layouts[0]
+        # lmpretrain headers identify the tokenizer by hash; datatrove's only by the name it was given.
+        keys = ("format", "dtype", "tokenizer_hash", "add_bos") + ("tokenizer",) * (
+            first.format == "datatrove"
+        )
         for other in self.layouts[1:]:
-            for key in ("format", "dtype", "tokenizer_hash", "add_bos", "tokenizer"):
+            for key in keys:
                 if getattr(other, key) != getattr(first, key):
                     raise DataError(
                         f"token files {other.path} and {first.path} differ in {key} ({getattr(other, key)!r} vs "

@@ -198,7 +198,7 @@ def _megatron(path: str) -> Layout:
             raise DataError(f"{idx}: not a Megatron index (no MMIDIDX header)")
         (version,) = struct.unpack("<Q", head[9:17])
         code = head[17]
-        sequences, _documents = struct.unpack("<QQ", head[18:34])
+        sequences, doc_entries = struct.unpack("<QQ", head[18:34])
         if version != 1 or code not in _MEGATRON_DTYPES:
             raise DataError(
                 f"{idx}: Megatron index version {version}, dtype code {code}; lmpretrain reads version 1 "
@@ -206,7 +206,7 @@ def _megatron(path: str) -> Layout:
             )
         dtype = np.dtype(_MEGATRON_DTYPES[code])
         dtypes.add(dtype.str)
-        want = 34 + 4 * sequences + 8 * sequences + 8 * (_documents)
+        want = 34 + 4 * sequences + 8 * sequences + 8 * doc_entries
         if os.path.getsize(idx) != want:
             raise DataError(f"Megatron index {idx} has {os.path.getsize(idx)} bytes, want {want}: truncated")
         lengths = np.fromfile(idx, dtype="<i4", count=sequences, offset=34)

@@ -149,6 +149,15 @@ def test_descriptors_stay_within_max_open_files(tmp_path, small_tokenizer):
     assert open_fds() == before
 
 
+def test_a_global_shuffle_fingerprint_names_its_epoch_offset(uneven, small_tokenizer):
+    from lmpretrain.run.fingerprint import FINGERPRINT_NAMES
+
+    folder, _ = uneven
+    on = make([SourceSpec(files=[str(folder)])], small_tokenizer).fingerprint()
+    off = make([SourceSpec(files=[str(folder)])], small_tokenizer, epoch_offset=False).fingerprint()
+    assert on["epoch_offset"] is True and off["epoch_offset"] is False and "epoch_offset" in FINGERPRINT_NAMES
+
+
 def test_max_open_files_must_leave_descriptors_to_the_run():
     import resource
 

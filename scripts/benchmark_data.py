@@ -2,7 +2,7 @@
 
     python scripts/benchmark_data.py                       # everything below (each in its own subprocess)
     python scripts/benchmark_data.py big-restore rss       # some of it: throughput restore big-restore rss mixing
-                                                           #   tokens tokens-rss prepare
+                                                           #   tokens tokens-rss prepare shards
     python scripts/benchmark_data.py mixing --rows rows.npy --corpus DIR --tokenizer DIR   # rows saved elsewhere
 
 * throughput: tokens/s of the default corpus' stream (seq_len 256, 8 streams, 16 blocks per step), 0 and 2 workers.
@@ -21,6 +21,9 @@
 * prepare:    tokens/s of scripts/prepare_data.py (the datatrove pipeline) on --prepare-shards train shards of
   the default corpus with 1 and 2 tasks; with --baseline CHECKOUT, that checkout's writer with --processes 1
   and 2 too, one after the other in this command (e.g. --baseline /path/to/an/older/lmpretrain).
+* shards:     the same token stream as 75 shards (the default corpus' token files) and re-cut into 2,000 shards:
+  one data worker's tokens/s (num_workers=1, 256 blocks per step) and the loader's peak RSS on each (the
+  2,000 shards open at most data.max_open_files descriptors per process, and no document index is cached).
 * mixing:     the mixing statistics of the default recipe's first --mixing-steps steps. Each block's source
   files are found by matching its complete lines (>= 40 characters, unique in the corpus) to the file they
   occur in; then: distinct files per step, and the drift of the data with training: the Spearman correlation
@@ -197,7 +200,7 @@ def repeated_token_files(folder: Path, times: int, out: Path) -> Path:
     """Token files holding `folder`'s shards `times` over (copies): a corpus `times` the size."""
     import shutil
 
-    from lmpretrain.data.token_files import HEADER
+    from lmpretrain.data.token_layouts import HEADER
 
     if (out / HEADER).exists():
         return out
@@ -222,7 +225,7 @@ def prepare_rate(checkout: Path, corpus: Path, out: Path, parallel: list[str]) -
     """Tokens/s of `checkout`'s scripts/prepare_data.py on `corpus` (wall time of the whole command)."""
     import shutil
 
-    from lmpretrain.data.token_files import HEADER
+    from lmpretrain.data.token_layouts import HEADER
 
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, str(checkout / "scripts" / "prepare_data.py"), "--files", str(corpus)]
@@ -233,6 +236,46 @@ def prepare_rate(checkout: Path, corpus: Path, out: Path, parallel: list[str]) -
     seconds = time.perf_counter() - start
     tokens = json.loads((out / HEADER).read_text())["tokens"]
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def resharded_token_files(folder: Path, shards: int, out: Path) -> Path:
+    """`folder`'s token stream cut into `shards` shards: its first document, then equal lengths (a shard may
+    start inside a document: its index then lists a document start at 0), for reading benchmarks of the
+    global shuffle."""
+    import numpy as np
+
+    from lmpretrain.data.token_layouts import HEADER
+
+    if (out / HEADER).exists():
+        return out
+    header = json.loads((folder / HEADER).read_text())
+    names = [s["name"] for s in header["shards"]]
+    stream = np.concatenate([np.fromfile(folder / f"{n}.bin", dtype=header["dtype"]) for n in names])
+    lengths = [s["tokens"] for s in header["shards"]]
+    offsets = np.cumsum([0, *lengths[:-1]])
+    starts = np.concatenate(
+        [
+            np.fromfile(folder / f"{n}.idx", dtype="<u8")[:-1].astype(np.int64) + o
+            for n, o in zip(names, offsets, strict=True)
+        ]
+    )
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    # The first shard is the first document (its framing is what opening the source checks), the rest equal cuts.
+    rest = len(stream) - int(starts[1])
+    bounds = [0, *(int(starts[1]) + rest * k // (shards - 1) for k in range(shards))]
+    entries = []
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        name = f"shard-{k:05d}"
+        stream[a:b].tofile(tmp / f"{name}.bin")
+        inside = starts[(starts > a) & (starts < b)] - a
+        idx = np.concatenate([[0], inside, [b - a]]).astype("<u8")
+        idx.tofile(tmp / f"{name}.idx")
+        entries.append({"name": name, "tokens": int(b - a), "documents": len(idx) - 1})
+    documents = sum(e["documents"] for e in entries)
+    (tmp / HEADER).write_text(json.dumps({**header, "documents": documents, "shards": entries}))
+    tmp.rename(out)
+    return out
 
 
 def child_loader_rss(path: str, steps: int) -> dict:
@@ -525,6 +568,22 @@ def main() -> None:
             print(
                 f"datatrove / baseline, {n} process{'es' * (n > 1)}: {rates['datatrove', n] / rates['baseline', n]:.2f}"
             )
+    if "shards" in args.what:
+        one = stdlib_token_files(work)
+        many = resharded_token_files(one, 2000, work / "stdlib-tokens-2000-shards")
+        rates, peaks = [], []
+        for folder in (one, many):
+            n = len(json.loads((folder / "tokens.json").read_text())["shards"])
+            r = run_child("token-throughput", str(folder), "1", str(args.token_steps // 8), "256")
+            m = run_child("token-rss", str(folder), str(args.token_rss_steps))
+            rates.append(r["tokens_per_s"])
+            peaks.append(m["peak_rss_mb"])
+            print(
+                f"{n} shards, {m['tokens']:,} tokens: one data worker (num_workers=1), 256 blocks per step: "
+                f"{r['tokens_per_s']:,.0f} tokens/s over {r['steps']} steps; loader peak RSS "
+                f"({args.token_rss_steps} steps of {BLOCKS} blocks) {m['peak_rss_mb']:,.0f} MB"
+            )
+        print(f"2000 / 75 shards: tokens/s {rates[1] / rates[0]:.3f}, peak RSS {peaks[1] / peaks[0]:.3f}")
     if "mixing" in args.what:
         if args.rows:
             import numpy as np

@@ -70,3 +70,47 @@ def expected_tokens(paths, tok, bos: bool = True, doc_cap: int | None = None) ->
             ids = tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"]
             out += ([tok.bos_token_id] * bos + ids + [tok.eos_token_id])[:doc_cap]
     return out
+
+
+def write_token_folder(folder, shards: list[list[int]], tok, ids=(3, None), seed=0):
+    """Token files in the documented layout (tokens.json, shard-NNNNN.bin/.idx; docs/data.md), written by
+    hand so a test chooses every shard's length: shard i holds documents of lengths shards[i] (framing
+    included: BOS, random ids in [ids[0], ids[1]), EOS). Returns the source's stream: the shards back to back."""
+    import numpy as np
+
+    from lmpretrain.data.tokenizer import tokenizer_hash
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    lo, hi = ids[0], ids[1] or len(tok)
+    entries, stream = [], []
+    for i, lengths in enumerate(shards):
+        docs = [
+            np.concatenate([[tok.bos_token_id], rng.integers(lo, hi, n - 2), [tok.eos_token_id]])
+            for n in lengths
+        ]
+        ids_ = np.concatenate(docs).astype("<u2")
+        name = f"shard-{i:05d}"
+        ids_.tofile(folder / f"{name}.bin")
+        np.cumsum([0, *lengths], dtype="<u8").tofile(folder / f"{name}.idx")
+        entries.append({"name": name, "tokens": len(ids_), "documents": len(lengths)})
+        stream.append(ids_)
+    stream = np.concatenate(stream)
+    header = {
+        "version": 1,
+        "dtype": "<u2",
+        "tokenizer": tok.name_or_path,
+        "tokenizer_hash": tokenizer_hash(tok),
+        "vocab_size": len(tok),
+        "add_bos": True,
+        "bos_id": tok.bos_token_id,
+        "eos_id": tok.eos_token_id,
+        "max_id": int(stream.max()),
+        "source": "hand-written",
+        "tokens": len(stream),
+        "documents": sum(map(len, shards)),
+        "skipped": 0,
+        "shards": entries,
+    }
+    (folder / "tokens.json").write_text(json.dumps(header))
+    return stream

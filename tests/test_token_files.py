@@ -24,7 +24,7 @@ import recipe_runner as rr
 from lmpretrain.data import SourceSpec, merge_data_states
 from lmpretrain.data.global_shuffle import permute
 from lmpretrain.data.prepare import build_executors, plan_prepare, write_token_files
-from lmpretrain.data.token_files import HEADER
+from lmpretrain.data.token_layouts import HEADER
 from lmpretrain.errors import DataError
 
 PREPARE = Path(__file__).resolve().parents[1] / "scripts" / "prepare_data.py"
@@ -37,15 +37,21 @@ def prepare(tmp_path, tok, docs=(30, 20, 45), name="tok", **kw) -> Path:
     return out
 
 
-def corpus_blocks(folder: Path, seq_len: int) -> list[tuple[int, ...]]:
-    """Every block of the corpus, read straight from the .bin files: seq_len tokens at multiples of seq_len."""
+def corpus_stream(folder: Path) -> np.ndarray:
+    """The source's one logical stream, read straight from the .bin files: the shards back to back."""
     header = json.loads((folder / HEADER).read_text())
-    out = []
-    for shard in header["shards"]:
-        ids = np.fromfile(folder / f"{shard['name']}.bin", dtype=header["dtype"])
-        n = len(ids) // seq_len
-        out += [tuple(b) for b in ids[: n * seq_len].reshape(n, seq_len).tolist()]
-    return out
+    return np.concatenate(
+        [np.fromfile(folder / f"{s['name']}.bin", dtype=header["dtype"]) for s in header["shards"]]
+    )
+
+
+def corpus_blocks(folder: Path, seq_len: int, offset: int = 0) -> list[tuple[int, ...]]:
+    """An epoch's blocks: seq_len tokens at offset + i * seq_len of the stream (i < T // seq_len), the last
+    one running on from the stream's end to its start when the offset needs it."""
+    ids = corpus_stream(folder)
+    n = len(ids) // seq_len
+    at = (offset + np.arange(n)[:, None] * seq_len + np.arange(seq_len)) % len(ids)
+    return [tuple(b) for b in ids[at].tolist()]
 
 
 def rows(results) -> list[tuple[int, ...]]:
@@ -167,7 +173,7 @@ def test_old_parquet_token_cache_gets_one_message_and_converts(tmp_path, small_t
     (old / "tokens_meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError) as err:
         make([SourceSpec(files=[str(old)], format="tokens")], small_tokenizer)
-    command = f"python scripts/prepare_data.py --files {old} --tokenizer <its tokenizer> --out {old}-tok"
+    command = f"python scripts/prepare_data.py --files {old} --tokenizer small --out {old}-tok"
     assert "parquet token cache of an older lmpretrain" in str(err.value) and command in str(err.value)
     spec = importlib.util.spec_from_file_location("prepare_data", PREPARE)
     script = importlib.util.module_from_spec(spec)
@@ -203,17 +209,25 @@ def test_permutation_is_a_bijection_that_changes_with_the_key():
 
 def test_every_block_of_an_epoch_is_drawn_once_and_epochs_reshuffle(tmp_path, small_tokenizer):
     folder = prepare(tmp_path, small_tokenizer)
-    blocks = corpus_blocks(folder, 16)
-    n = len(blocks)
+    n = len(corpus_stream(folder)) // 16
     assert n > 100
     ts = make([SourceSpec(files=[str(folder)])], small_tokenizer, blocks_per_step=4, num_streams=4)
     assert ts.shuffle == "global" and "shuffle: global" in ts.describe()
+    offsets = [ts.order.offset(0, e) for e in (0, 1)]
+    assert offsets[0] != offsets[1] and all(0 <= o < 16 for o in offsets)  # a new grid each epoch
     results, _ = steps(ts, (2 * n) // 4 + 1)
     drawn = rows(results)
     first, second = drawn[:n], drawn[n : 2 * n]
-    assert Counter(first) == Counter(blocks) == Counter(second)
-    assert first != second and first != blocks  # a new order each epoch, not the file order
+    blocks = corpus_blocks(folder, 16, offsets[0])
+    assert Counter(first) == Counter(blocks) and Counter(second) == Counter(
+        corpus_blocks(folder, 16, offsets[1])
+    )
+    assert first != blocks  # a new order each epoch, not the file order
     assert [r.epoch for r in results] == [4 * (i + 1) // n for i in range(len(results))]
+    # Without epoch offsets every epoch cuts the same grid, at multiples of seq_len of the stream.
+    fixed = make([SourceSpec(files=[str(folder)])], small_tokenizer, num_streams=4, epoch_offset=False)
+    fixed_rows = rows(steps(fixed, -(-2 * n // 4))[0])
+    assert Counter(fixed_rows[:n]) == Counter(fixed_rows[n : 2 * n]) == Counter(corpus_blocks(folder, 16))
 
 
 def two_rank_steps(folder, tok, count, **kw) -> list[dict[int, torch.Tensor]]:
@@ -236,7 +250,7 @@ def two_rank_steps(folder, tok, count, **kw) -> list[dict[int, torch.Tensor]]:
 @pytest.mark.parametrize("workers", [1, 2])
 def test_two_ranks_with_workers_draw_the_blocks_one_rank_draws(tmp_path, small_tokenizer, workers):
     folder = prepare(tmp_path, small_tokenizer)
-    n = len(corpus_blocks(folder, 16))
+    n = len(corpus_stream(folder)) // 16
     kw = dict(blocks_per_step=6, num_streams=4)  # uneven: streams give 2, 2, 1, 1 blocks per step
     count = n // 6 + 2
     ts = make([SourceSpec(files=[str(folder)])], small_tokenizer, **kw)
@@ -248,7 +262,7 @@ def test_two_ranks_with_workers_draw_the_blocks_one_rank_draws(tmp_path, small_t
     # And the 2-rank epoch holds every block exactly once.
     drawn = [tuple(x) for step in two for s in range(4) for x in step[s].tolist()]
     global_order = [tuple(x) for step in one for j in range(6) for x in [step[j % 4][j // 4].tolist()]]
-    assert Counter(global_order[:n]) == Counter(corpus_blocks(folder, 16))
+    assert Counter(global_order[:n]) == Counter(corpus_blocks(folder, 16, ts.order.offset(0, 0)))
     assert Counter(drawn) == Counter(global_order)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import resource
 import types
 import typing
 from dataclasses import dataclass, field
@@ -147,6 +148,13 @@ class DataConfig:
     add_bos: bool | None = None
     """BOS before each document; null = true when the tokenizer has a BOS token distinct from EOS (the
     builtin one has). Recorded in the resume fingerprint."""
+    epoch_offset: bool = True
+    """Global shuffle: each epoch's block grid starts at a seeded offset in [0, seq_len) of the source's
+    token stream (a function of seed, source and epoch), so epochs see new block boundaries; false = every
+    epoch cuts blocks at multiples of seq_len. Part of the resume fingerprint."""
+    max_open_files: int = 64
+    """Token files: at most this many file descriptors per process (trainer and each worker), the least
+    recently used closed first, so a corpus of any number of shards fits `ulimit -n`."""
     transforms: list[str] = field(default_factory=list)
     """A fork's functions over each document's text, `module:function` or `path/to/file.py:function`, run in
     order: f(text, source label) returns the text to tokenize or None to drop the document (counted in
@@ -598,6 +606,16 @@ def data_problems(data: DataConfig, world_size: int) -> list[str]:
     for key in ("shuffle_window", "doc_shuffle_window"):
         if getattr(data, key) < 1:
             p.append(f"data.{key} must be >= 1")
+    if data.max_open_files < 1:
+        p.append("data.max_open_files must be >= 1")
+    else:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and data.max_open_files > soft // 2:
+            p.append(
+                f"data.max_open_files={data.max_open_files} leaves too few of this process's {soft} file "
+                f"descriptors (ulimit -n) to the rest of the run; lower it to {max(1, soft // 4)} or raise "
+                "ulimit -n"
+            )
     if not data.train:
         p.append("data.train needs at least one source")
     if not data.eval:

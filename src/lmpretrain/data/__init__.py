@@ -4,8 +4,9 @@ sources.py (what a source is, its pieces) -> readers.py (one piece from a positi
 position in a source) -> block_stream.py (one stream: document windows, packing, block windows) ->
 train_stream.py (a rank's blocks per step, workers, state); mixture.py (mixtures that change at resume);
 heldout.py (the eval set); encoder.py (text -> ids with the BOS/EOS contract); prepare.py (the datatrove
-pipeline that writes token files); token_files.py (token files: flat token arrays + document index) ->
-global_shuffle.py (`data.shuffle: global`, a seeded permutation of every block per epoch); tokenizer.py
+pipeline that writes token files); token_layouts.py (the token layouts read: ours, datatrove's, Megatron's)
+-> token_files.py (token files: one stream of token ids per source, read by offset) -> global_shuffle.py
+(`data.shuffle: global`, a seeded permutation of every block per epoch, a seeded grid offset); tokenizer.py
 and corpus.py (the default tokenizer and its corpus, built locally).
 """
 

@@ -1,14 +1,19 @@
 """`data.shuffle: global`: training blocks drawn from token files by a seeded permutation of every block
 position in the corpus, a new permutation each epoch.
 
-A token source of n blocks (`seq_len` tokens at offsets 0, seq_len, 2 seq_len, ... of each shard) is read
-in the order block(e, i) = P_{seed, source, e}(i), i = 0..n-1, for epochs e = 0, 1, ...; P is a keyed
-bijection of [0, n) (a Feistel network cycle-walked into the range), so it takes no memory and any index
-is computed directly. Draw t of the run comes from source k with probability weight_k (a hash of (seed, t));
-the global step's blocks are the next `blocks_per_step` draws, and global block j of a step belongs to
-stream j % num_streams, as in the window path (train_stream.py): world size and workers change who reads
-a block, not which. The position is, per source, (epoch, index) plus the draw counter: a restore computes
-the next blocks from it and reads nothing else.
+A token source is one logical stream of T tokens: its shards back to back (data/token_files.py). Its n =
+T // seq_len blocks of epoch e start at o_e + i * seq_len (i = 0..n-1, modulo T: the last one may run on
+from the stream's end to its start), so a block may span shards and an epoch draws every token but the
+T % seq_len < seq_len before o_e; o_e in [0, seq_len) is a seeded offset per (seed, source id, epoch)
+(`data.epoch_offset`; 0 when off), so epochs see new block boundaries. Epoch e reads block P_{seed,
+source id, e}(i) for i = 0..n-1; P is a keyed bijection of [0, n) (a Feistel network cycle-walked into the
+range), so it takes no memory and any index is computed directly. Draw t of the run comes from source k
+with probability weight_k (a hash of (seed, t)); the global step's blocks are the next `blocks_per_step`
+draws, and global block j of a step belongs to stream j % num_streams, as in the window path
+(train_stream.py): world size and workers change who reads a block, not which. The position is, per
+source, (epoch, index) plus the draw counter (the epoch's offset follows from it): a restore computes the
+next blocks from it and reads nothing else. Sources are known by id (data/mixture.py), so a source keeps
+its permutations and position when others are added, removed or reweighted at resume.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from lmpretrain.data.block_stream import uniform
 from lmpretrain.data.sources import Source
 from lmpretrain.errors import DataError, UserError
 
-TAG_PERMUTATION, TAG_GLOBAL_MIX = 11, 12
+TAG_PERMUTATION, TAG_GLOBAL_MIX, TAG_EPOCH_OFFSET = 11, 12, 13
+GRID = "stream"  # in the state: blocks cut from each source's one stream (older states cut them per shard)
 _ROUNDS = 6
 CHUNK = 1 << 16  # permutation values computed (and kept) at a time per source: vectorised, constant memory
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -79,10 +85,16 @@ def permute(index: np.ndarray, n: int, *key: int) -> np.ndarray:
     return out.astype(np.int64)
 
 
+def _keyed(*key: int) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
+
+
 class GlobalOrder:
     """The run's block order over token sources (see the module docstring); the state is plain data."""
 
-    def __init__(self, sources: list[Source], seq_len: int, seed: int, add_bos: bool):
+    def __init__(
+        self, sources: list[Source], seq_len: int, seed: int, add_bos: bool, epoch_offset: bool = True
+    ):
         for src in sources:
             if src.token_files.add_bos != add_bos:
                 raise DataError(
@@ -90,24 +102,36 @@ class GlobalOrder:
                     f"the run has data.add_bos={add_bos}; set data.add_bos={str(src.token_files.add_bos).lower()}"
                     " or prepare them again (the global shuffle reads documents as framed on disk)"
                 )
-            if src.token_files.block_offsets(seq_len)[-1] == 0:
+            if src.token_files.tokens < seq_len:
                 raise DataError(f"source {src.label} holds no block of {seq_len} tokens; lower data.seq_len")
         self.files = [src.token_files for src in sources]
-        self.blocks = [int(f.block_offsets(seq_len)[-1]) for f in self.files]
+        self.blocks = [f.tokens // seq_len for f in self.files]
         weights = np.array([src.spec.weight for src in sources], dtype=np.float64)
         self.cum_weights = np.cumsum(weights / weights.sum())
-        self.seq_len, self.seed = seq_len, seed
+        self.seq_len, self.seed, self.epoch_offset = seq_len, seed, epoch_offset
+        self.source_ids = list(range(len(sources)))  # keys of each source's permutations and offsets
         self._chunks: dict[int, tuple[tuple[int, int], np.ndarray]] = {}  # source -> ((epoch, chunk), values)
 
+    def set_source_ids(self, ids: list[int]) -> None:
+        """The sources' ids in the run (data/mixture.py: kept across mixture changes)."""
+        self.source_ids = list(ids)
+        self._chunks.clear()
+
+    def offset(self, k: int, epoch: int) -> int:
+        """Where epoch `epoch`'s block grid starts in source k's stream."""
+        if not self.epoch_offset:
+            return 0
+        return _keyed(self.seed, TAG_EPOCH_OFFSET, self.source_ids[k], epoch) % self.seq_len
+
     def _permuted(self, k: int, epoch: int, start: int, count: int) -> np.ndarray:
-        """P_{seed, k, epoch}(start ... start + count - 1), within one epoch, through the chunk cache."""
-        out, n = [], self.blocks[k]
+        """P_{seed, id_k, epoch}(start ... start + count - 1), within one epoch, through the chunk cache."""
+        out, n, sid = [], self.blocks[k], self.source_ids[k]
         while count:
             chunk = start // CHUNK
             key, cached = self._chunks.get(k, (None, None))
             if key != (epoch, chunk):
                 lo = chunk * CHUNK
-                cached = permute(np.arange(lo, min(n, lo + CHUNK)), n, self.seed, TAG_PERMUTATION, k, epoch)
+                cached = permute(np.arange(lo, min(n, lo + CHUNK)), n, self.seed, TAG_PERMUTATION, sid, epoch)
                 self._chunks[k] = ((epoch, chunk), cached)
             take = min(count, (chunk + 1) * CHUNK - start)
             out.append(cached[start - chunk * CHUNK : start - chunk * CHUNK + take])
@@ -115,7 +139,7 @@ class GlobalOrder:
         return np.concatenate(out) if len(out) != 1 else out[0]
 
     def initial_state(self) -> dict:
-        return {"draws": 0, "sources": [[0, 0] for _ in self.files]}
+        return {"grid": GRID, "draws": 0, "sources": [[0, 0] for _ in self.files]}
 
     def check_state(self, state: dict) -> None:
         if "draws" not in state or len(state.get("sources", [])) != len(self.files):
@@ -123,11 +147,21 @@ class GlobalOrder:
                 "the data state was not saved by the global shuffle over these sources (data.shuffle or "
                 "data.train changed); resume with the same data settings"
             )
+        if state.get("grid") != GRID:
+            raise DataError(
+                "the data state was saved by an older lmpretrain whose global shuffle cut blocks shard by "
+                "shard; this one reads each source as one stream, so the position does not carry over: start "
+                "the run fresh (--run.resume=never) in another output_dir"
+            )
 
     def next_draws(self, state: dict, count: int) -> tuple[list[tuple[int, int]], dict]:
-        """The next `count` draws as (source, block) and the state after them."""
+        """The next `count` draws as (source, first token in its stream) and the state after them."""
         tokens = list(state.get("tokens") or [0] * len(self.files))  # per source, drawn so far (all streams)
-        state = {"draws": state["draws"], "sources": [list(pos) for pos in state["sources"]]}
+        state = {
+            "grid": state.get("grid"),
+            "draws": state["draws"],
+            "sources": [list(p) for p in state["sources"]],
+        }
         t = state["draws"]
         if len(self.files) == 1:
             chosen = None
@@ -139,10 +173,10 @@ class GlobalOrder:
             where = np.arange(count) if chosen is None else np.flatnonzero(chosen == k)
             epoch, index = state["sources"][k]
             n, got = self.blocks[k], 0
-            while got < len(where):  # one permutation per epoch the draws reach
+            while got < len(where):  # one permutation (and grid offset) per epoch the draws reach
                 take = min(len(where) - got, n - index)
-                blocks = self._permuted(k, epoch, index, take)
-                for j, b in zip(where[got : got + take].tolist(), blocks.tolist(), strict=True):
+                starts = self.offset(k, epoch) + self._permuted(k, epoch, index, take) * self.seq_len
+                for j, b in zip(where[got : got + take].tolist(), starts.tolist(), strict=True):
                     draws[j] = (k, b)
                 got, index = got + take, index + take
                 if index == n:

@@ -41,7 +41,7 @@ def heldout_blocks(data: DataConfig, tokenizer, *, num_blocks: int, progress: bo
     """`num_blocks` packed `data.seq_len` blocks of `data.eval` (see the module docstring for which tokens).
     `progress`: draw a bar (pass True on the main process only)."""
     encoder = Encoder(tokenizer, data.add_bos)
-    sources = open_sources(data.eval, tokenizer, load_transforms(data.transforms))  # as training's
+    sources = open_sources(data.eval, tokenizer, load_transforms(data.transforms), data.max_open_files)
     need = num_blocks * data.seq_len
     cap = max(data.seq_len, need // MIN_DOCUMENTS)
     with bar(desc="held-out set", unit="block", total=num_blocks, enabled=progress) as shown:

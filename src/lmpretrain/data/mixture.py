@@ -6,7 +6,8 @@ an id for its lifetime in a run, which seeds its piece order, so adding or remov
 its order and position alone. At a change every stream restarts from its *frontier* — each unchanged
 source's position after the last document window the stream read — so a source goes on with the documents
 it would have read next; blocks already packed from the old mixture but not yet trained on (at most one
-block window per stream) are dropped, never replayed. Added sources start at their beginning.
+block window per stream) are dropped, never replayed. Added sources start at their beginning. Under the
+global shuffle a source's id keys its permutations, and its (epoch, index) moves with its key.
 """
 
 from __future__ import annotations
@@ -72,9 +73,26 @@ def follow(saved: list[dict], specs: list[SourceSpec]) -> tuple[list[int], bool]
     return ids, mixture(specs, ids) != saved
 
 
+def restart_global(state: dict, saved: list[dict], keys: list[str]) -> dict:
+    """The global shuffle's state saved under the `saved` mixture, moved to this run's sources (`keys`):
+    a kept source goes on with its (epoch, index) in its own permutations, an added one starts at (0, 0);
+    the draw counter goes on (the global order packs nothing ahead, so nothing is dropped)."""
+    old_keys = [m["source"] for m in saved]
+    position = dict(zip(old_keys, state["sources"], strict=True))
+    tokens = dict(zip(old_keys, state.get("tokens") or [0] * len(old_keys), strict=True))
+    return {
+        **state,
+        "sources": [list(position.get(k, [0, 0])) for k in keys],
+        "tokens": [tokens.get(k, 0) for k in keys],
+    }
+
+
 def restart_at_frontier(state: dict, saved: list[dict], keys: list[str]) -> dict:
     """A stream's state saved under the `saved` mixture, moved to this run's sources (`keys`): it starts
-    a fresh block window at its frontier; unchanged sources keep their positions and token counts."""
+    a fresh block window at its frontier; unchanged sources keep their positions and token counts. A
+    global-shuffle state (it has `draws`) goes to `restart_global`."""
+    if "draws" in state:
+        return restart_global(state, saved, keys)
     old_keys = [m["source"] for m in saved]
     frontier = state.get("frontier") or {"start": state["docs"]["start"], "window": state["docs"]["window"]}
     start = frontier["start"]

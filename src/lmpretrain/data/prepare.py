@@ -34,7 +34,8 @@ from datatrove.pipeline.readers.base import BaseReader
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.readers import Bad, is_url
 from lmpretrain.data.sources import OLD_TOKENS_META, SourceSpec, as_spec, is_old_token_cache, open_source
-from lmpretrain.data.token_files import HEADER, VERSION, token_dtype
+from lmpretrain.data.token_files import token_dtype
+from lmpretrain.data.token_layouts import HEADER, VERSION
 from lmpretrain.errors import DataError
 
 PREPARE_PIECES = 64  # our reader cuts a source into (about) this many pieces, whatever the task count

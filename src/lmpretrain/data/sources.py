@@ -25,7 +25,8 @@ from typing import Any
 from lmpretrain.config import BLANK_LINES, SourceSpec
 from lmpretrain.data import readers
 from lmpretrain.data.readers import Piece
-from lmpretrain.data.token_files import TokenFiles, is_token_folder
+from lmpretrain.data.token_files import MAX_OPEN_FILES, TokenFiles, is_token_folder
+from lmpretrain.data.token_layouts import not_tokens_message
 from lmpretrain.errors import DataError
 
 OLD_TOKENS_META = "tokens_meta.json"  # marks a parquet token cache of lmpretrain <= 0.x (retired)
@@ -88,6 +89,13 @@ def infer_format(files: list[str]) -> str:
             "split them into several sources or set `format`"
         )
     return formats.pop()
+
+
+_TOKEN_KINDS = {
+    "lmpretrain": "token files",
+    "datatrove": "datatrove token files (.ds)",
+    "megatron": "Megatron indexed dataset (.bin/.idx)",
+}
 
 
 def _mb(n: int) -> str:
@@ -224,7 +232,8 @@ class Source:
             )
         if self.token_files is not None:
             kind = (
-                f"token files, {self.token_files.tokens:,} tokens in {self.token_files.documents:,} documents"
+                f"{_TOKEN_KINDS[self.token_files.format]}, {self.token_files.tokens:,} tokens in "
+                f"{self.token_files.documents:,} documents, one stream across its shards"
             )
         else:
             kind = {
@@ -257,16 +266,17 @@ class Source:
         return {**asdict(self.spec), "expanded": files}
 
 
-def open_source(spec: SourceSpec | dict, transforms=None) -> Source:
+def open_source(spec: SourceSpec | dict, transforms=None, max_open_files: int = MAX_OPEN_FILES) -> Source:
     """Open a source; checks files, format and field before any work. `transforms` (data.transforms,
-    data/transforms.py) apply to what a text source reads; token sources are read as prepared."""
-    source = _open_source(as_spec(spec))
+    data/transforms.py) apply to what a text source reads; token sources are read as prepared, with at most
+    `max_open_files` descriptors per process."""
+    source = _open_source(as_spec(spec), max_open_files)
     if transforms and not source.tokens:
         source.transforms = transforms
     return source
 
 
-def _open_source(spec: SourceSpec) -> Source:
+def _open_source(spec: SourceSpec, max_open_files: int) -> Source:
     if spec.hub:
         return _open_hub(spec)
     if spec.name:
@@ -275,12 +285,15 @@ def _open_source(spec: SourceSpec) -> Source:
         if spec.name not in BUILTIN_DATASETS:
             raise DataError(f"unknown builtin dataset {spec.name!r}; available: {sorted(BUILTIN_DATASETS)}")
         if spec.format == "tokens":  # its token files, prepared once with the builtin tokenizer
-            return Source(
-                spec, "tokens", token_files=TokenFiles([BUILTIN_TOKEN_FILES[spec.name](spec.split)])
-            )
+            folder = BUILTIN_TOKEN_FILES[spec.name](spec.split)
+            return Source(spec, "tokens", token_files=TokenFiles([folder], max_open_files))
         files, fmt = BUILTIN_DATASETS[spec.name](spec.split), "json"
-    elif spec.format == "tokens" or any(map(is_token_folder, spec.files or [])):
-        return _open_token_files(spec)
+    elif spec.format in ("tokens", None) and any(map(is_token_folder, spec.files or [])):
+        return _open_token_files(spec, max_open_files)
+    elif spec.format == "tokens" or _looks_like_token_files(spec.files or []):
+        # A token folder missing its header, the old parquet token cache, or a path that is not token files.
+        problems = [m for m in map(not_tokens_message, spec.files or []) if m]
+        raise DataError(f"source {spec.label}: " + "; ".join(problems))
     else:
         files = expand_files(spec.files)
         fmt = spec.format or infer_format(files)
@@ -305,15 +318,15 @@ def _file_size(path: str) -> int:
     return int(fs.size(inner))
 
 
-def _open_token_files(spec: SourceSpec) -> Source:
-    """A source over token-file folders (scripts/prepare_data.py); every path must be one."""
-    for f in spec.files:
-        if is_old_token_cache(f):
-            raise DataError(
-                f"{f} is a parquet token cache of an older lmpretrain ({OLD_TOKENS_META}), no longer read; "
-                f"convert it into token files with: python scripts/prepare_data.py --files {f} --tokenizer "
-                f"<its tokenizer> --out {f.rstrip('/')}-tok (then train on that folder)"
-            )
+def _looks_like_token_files(paths: list[str]) -> bool:
+    """A folder of .bin / .ds.index files that no token layout claims: not to be read as text."""
+    folders = [Path(os.path.expanduser(p)) for p in paths if os.path.isdir(os.path.expanduser(p))]
+    return any(next(f.glob("*.bin"), None) or next(f.glob("*.ds.index"), None) for f in folders)
+
+
+def _open_token_files(spec: SourceSpec, max_open_files: int = MAX_OPEN_FILES) -> Source:
+    """A source over token layouts (data/token_layouts.py: lmpretrain token files, datatrove folders,
+    Megatron prefixes); every path must be one."""
     others = [f for f in spec.files if not is_token_folder(f)]
     if len(others) == len(spec.files):
         raise DataError(
@@ -322,12 +335,12 @@ def _open_token_files(spec: SourceSpec) -> Source:
         )
     if others:
         raise DataError(
-            f"source {spec.label}: {others} are not token-file folders (no tokens.json) while the other paths "
-            "are; give token files and other files as separate sources"
+            f"source {spec.label}: {others} are not token files (no tokens.json, datatrove .ds or Megatron "
+            ".idx) while the other paths are; give token files and other files as separate sources"
         )
     if spec.separator is not None:
         raise DataError(f"source {spec.label}: separator applies to text files only, these are token files")
-    return Source(spec, "tokens", token_files=TokenFiles(spec.files))
+    return Source(spec, "tokens", token_files=TokenFiles(spec.files, max_open_files))
 
 
 def _open_hub(spec: SourceSpec) -> Source:
@@ -464,12 +477,14 @@ def is_old_token_cache(path: str) -> bool:
     return (Path(os.path.expanduser(path)) / OLD_TOKENS_META).is_file()
 
 
-def open_sources(specs: list[SourceSpec | dict], tokenizer, transforms=None) -> list[Source]:
+def open_sources(
+    specs: list[SourceSpec | dict], tokenizer, transforms=None, max_open_files: int = MAX_OPEN_FILES
+) -> list[Source]:
     """Open every source; token files must come from this tokenizer. `transforms` (data.transforms,
     data/transforms.py) apply to the text sources; token sources are read as prepared."""
     if not specs:
         raise DataError("no data sources given (data.train or data.eval is empty)")
-    opened = [open_source(s, transforms) for s in specs]
+    opened = [open_source(s, transforms, max_open_files) for s in specs]
     for src in opened:
         if src.token_files is not None:
             from lmpretrain.data.token_files import check_tokenizer

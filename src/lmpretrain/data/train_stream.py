@@ -186,14 +186,14 @@ class TrainStream:
             raise DataError("invalid data settings:\n  - " + "\n  - ".join(problems))
         self.encoder = Encoder(tokenizer, data.add_bos)  # checks EOS/BOS before reading any data
         self.transforms = load_transforms(data.transforms)  # a fork's document filters (data/transforms.py)
-        self.sources = open_sources(data.train, tokenizer, self.transforms)
+        self.sources = open_sources(data.train, tokenizer, self.transforms, data.max_open_files)
         self.specs = [src.spec for src in self.sources]
         self.source_ids = list(range(len(self.sources)))  # seeds of their piece orders (data/mixture.py)
         self.source_names = mixture.metric_names(self.specs)
         self.tokenizer = tokenizer
         self.shuffle = resolve_shuffle(data.shuffle, self.sources)
         self.order = (
-            GlobalOrder(self.sources, data.seq_len, seed, self.encoder.add_bos)
+            GlobalOrder(self.sources, data.seq_len, seed, self.encoder.add_bos, data.epoch_offset)
             if self.shuffle == "global"
             else None
         )
@@ -236,7 +236,8 @@ class TrainStream:
         s = self.settings
         sources = "; ".join(src.summary(s.num_streams) for src in self.sources)
         shuffle = {
-            "global": "shuffle: global, a seeded permutation of every block of the corpus per epoch",
+            "global": "shuffle: global, a seeded permutation of every block of the corpus per epoch"
+            + (", a seeded grid offset per epoch" if self.order and self.order.epoch_offset else ""),
             "windows": f"shuffle: windows, piece order per epoch, {s.doc_window}-document windows, "
             f"{s.block_window}-block windows",
             "none": "no shuffle",
@@ -359,6 +360,8 @@ class TrainStream:
             # Other transforms (run.allow_data_change): the documents read since the frontier were transformed
             # the old way, so every stream goes on from its frontier like at a mixture change.
             changed |= state.get("transforms", []) != self.transforms.fingerprint()
+            if self.order is not None:
+                self.order.set_source_ids(self.source_ids)
             if changed:
                 keys = mixture.source_keys(self.specs)
                 self._states = {
@@ -371,7 +374,10 @@ class TrainStream:
         from lmpretrain.data.tokenizer import tokenizer_hash
 
         s = self.settings
+        # Only the global shuffle has epoch offsets (so text runs' fingerprints stay as they were).
+        offsets = {"epoch_offset": self.order.epoch_offset} if self.order is not None else {}
         return {
+            **offsets,
             "sources": [src.fingerprint() for src in self.sources],
             "tokenizer": tokenizer_hash(self.tokenizer),
             "add_bos": self.encoder.add_bos,

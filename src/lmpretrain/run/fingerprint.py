@@ -23,6 +23,7 @@ FINGERPRINT_NAMES = (
     "sources",
     "tokenizer",
     "add_bos",
+    "epoch_offset",
     "seq_len",
     "num_streams",
     "seed",

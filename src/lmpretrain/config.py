@@ -85,6 +85,9 @@ class RunConfig:
     Unchanged sources continue from their positions; the change is printed (docs/data-sources.md)."""
     threads: int = 0
     """CPU threads per process; 0 = the cores this process may use divided by local processes."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective waits for every rank: a rank that stops (hung, stopped, its node gone) makes
+    the others fail after this long, naming it, instead of waiting forever (docs/cluster.md)."""
     name: str | None = None
     """Run name in W&B; default: <config file stem>-<output_dir name>."""
     group: str | None = None
@@ -580,6 +583,8 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
     if not t.spike_sigma > 0:
         p.append("train.spike_sigma must be > 0")
+    if not cfg.run.collective_timeout_s > 0:
+        p.append("run.collective_timeout_s must be > 0")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append("optim.beta1 and optim.beta2 must be in [0, 1)")
     if o.name == "muon" and not (0 <= o.muon_momentum < 1 and o.muon_ns_steps >= 1 and o.muon_lr > 0):

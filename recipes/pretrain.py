@@ -74,6 +74,7 @@ from lmpretrain.run import (
     runtime,
 )
 from lmpretrain.update import (
+    SpikeRollback,
     UpdateGuard,
     apply_hyperparameters,
     build_optimizer,
@@ -208,6 +209,10 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         "data": PerRank(train_data, merge=merge_data_states),  # any process count resumes
         "rng": PerRank(loop_rng),
     }
+    rollback = SpikeRollback(  # train.on_spike=rollback: a spike reloads the last checkpoint
+        cfg.train, checkpointer, model=model, optimizer=optimizer, states=states, data=train_data,
+        rng=loop_rng, step_tokens=global_batch * cfg.data.seq_len,
+    )  # fmt: skip
     if resume_from:
         saved = checkpointer.metadata(resume_from)
         for line in check_fingerprint(
@@ -300,10 +305,13 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         state.tokens_seen += global_batch * cfg.data.seq_len
         # Too many skipped updates in a row raise TrainingDiverged.
         guard.record(state.step, step["terms"]["loss"], step["grad_norm"], step["skipped"])
+        if rollback.wanted(step["skipped"]):  # back to the last checkpoint, the data since it skipped
+            say(rollback(state))
+            batches = iter(train_data)
         metrics = step_metrics(
             step, batch, state, lr, max_norm, t_start, t_data, accelerator, meter, precision
         )
-        metrics["run/restarts"] = info.restarts
+        metrics.update({"run/restarts": info.restarts, **rollback.counters(state)})
         if cfg.train.compile and state.step == first_step:  # compiling happens in the first steps
             metrics["perf/compile_s"] = compile_seconds()
         warnings.observe(state.step, metrics["train/loss"], metrics["train/clipped"], step["skipped"])

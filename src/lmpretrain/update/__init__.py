@@ -8,9 +8,11 @@ from lmpretrain.update.optim import (
     describe_groups,
     describe_implementation,
 )
+from lmpretrain.update.rollback import SpikeRollback
 from lmpretrain.update.schedule import hyperparameter_changes, learning_rate, set_lr
 
 __all__ = [
+    "SpikeRollback",
     "UpdateGuard",
     "apply_hyperparameters",
     "build_optimizer",

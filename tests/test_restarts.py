@@ -67,12 +67,12 @@ def test_a_rank_killed_is_restarted_and_ends_as_the_straight_run(tmp_path, strai
 
 
 def test_a_stopped_rank_ends_the_collective_named_and_the_job_restarts(tmp_path, straight):
-    stopped = interrupted_run(tmp_path / "run", 6, signal.SIGSTOP, "--run.collective_timeout_s=10")
+    stopped = interrupted_run(tmp_path / "run", 6, signal.SIGSTOP, "--run.collective_timeout_s=20")
     assert stopped.returncode == 0, stopped.output[-4000:]
     errors = [line for line in stopped.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, stopped.output[-4000:]
     assert errors[0].startswith(
-        "error: rank 0 waited run.collective_timeout_s=10 s in a collective during step"
+        "error: rank 0 waited run.collective_timeout_s=20 s in a collective during step"
     )
     assert "for rank(s) 1 (stopped during step" in errors[0]
     assert "restart 1 of at most 1" in stopped.output

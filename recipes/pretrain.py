@@ -65,6 +65,7 @@ from lmpretrain.progress import step_bar
 from lmpretrain.run import (
     LoopRNG,
     PreemptionHandler,
+    StallWatch,
     TrainState,
     check_fingerprint,
     check_replicas_identical,
@@ -75,6 +76,7 @@ from lmpretrain.run import (
     runtime,
 )
 from lmpretrain.update import (
+    SpikeRollback,
     UpdateGuard,
     WeightAverage,
     apply_hyperparameters,
@@ -134,11 +136,14 @@ def train_step(
 def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = Path(__file__)) -> None:
     # ---- Pre-flight: processes, config, model config, data; every problem before any work ----------
     accelerator, info = runtime.setup(
-        cfg.train, cfg.run.threads, cfg.run.seed, wandb_log_with(cfg.logging.wandb_mode)
-    )
+        cfg.train, cfg.run.threads, cfg.run.seed, wandb_log_with(cfg.logging.wandb_mode),
+        timeout_s=cfg.run.collective_timeout_s,
+    )  # fmt: skip
     cleanup.callback(accelerator.end_training)
     say = lambda line: accelerator.print(f"[lmpretrain] {line}")  # noqa: E731
     say(info.describe())
+    if info.restarts:  # torch elastic restarted every rank after one failed (launch --max_restarts)
+        say(f"restart {info.restarts} of at most {info.max_restarts}: resuming the last complete checkpoint")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     import_model_modules(cfg.model)  # a fork's own model classes register with the Auto classes
     model_config = preflight(cfg, info.sharding, info.world_size, tokenizer)  # one error lists every problem
@@ -217,6 +222,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
 
     # ---- Resume: weights, moments, and every state below (per rank: RNG, data position) ----------
     state, loop_rng = TrainState(), LoopRNG(cfg.run.seed + info.rank)  # replicas drop different units
+    # a collective that times out (run.collective_timeout_s) ends the run naming the rank that stopped
+    cleanup.enter_context(StallWatch(info.rank, W, lambda: state.step, cfg.run.collective_timeout_s))
     states = {
         "train": state,
         "guard": guard,
@@ -224,6 +231,10 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         "data": PerRank(train_data, merge=merge_data_states),  # any process count resumes
         "rng": PerRank(loop_rng),
     }
+    rollback = SpikeRollback(  # train.on_spike=rollback: a spike reloads the last checkpoint
+        cfg.train, checkpointer, model=model, optimizer=optimizer, states=states, data=train_data,
+        rng=loop_rng, ramp=ramp, seq_len=cfg.data.seq_len, averages=averages,
+    )  # fmt: skip
     if resume_from:
         checkpointer.load(resume_from, model=model, optimizer=optimizer, states=states, averages=averages)
         say(f"resumed from {resume_from} at step {state.step}")
@@ -320,9 +331,13 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
             ema.update(state.step)
         # Too many skipped updates in a row raise TrainingDiverged.
         guard.record(state.step, step["terms"]["loss"], step["grad_norm"], step["skipped"])
+        if rollback.wanted(step["skipped"]):  # back to the last checkpoint, the data since it skipped
+            say(rollback(state))
+            batches = iter(train_data)
         metrics = step_metrics(
             step, batch, state, lr, max_norm, t_start, t_data, accelerator, meter, precision
         )
+        metrics.update({"run/restarts": info.restarts, **rollback.counters(state)})
         if cfg.train.compile and state.step == first_step:  # compiling happens in the first steps
             metrics["perf/compile_s"] = compile_seconds()
         warnings.observe(state.step, metrics["train/loss"], metrics["train/clipped"], step["skipped"])

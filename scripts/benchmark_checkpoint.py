@@ -18,6 +18,7 @@ Rank 0 prints one row per save and rank; other processes on the machine make the
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -92,6 +93,22 @@ def measure(accelerator, model, optimizer, batch, fmt: str, async_save: bool, ou
     }
 
 
+def measure_load(accelerator, model, optimizer, out: Path) -> dict:
+    """Extra resident memory of this rank while it loads the newest checkpoint in ``out``."""
+    ck = Checkpointer(out, accelerator, keep_last=1)
+    path = ck.resolve_resume("auto", overwrite=False)
+    accelerator.wait_for_everyone()
+    # glibc keeps what the saves freed and the load would reuse it unseen: hand it back first
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = rss()
+    with PeakRSS() as peak:
+        started = time.perf_counter()
+        ck.load(path, model=model, optimizer=optimizer, states={})
+        total = time.perf_counter() - started
+    ck.close()
+    return {"rank": accelerator.process_index, "extra_rss_bytes": peak.peak - before, "load_s": total}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--format", choices=("full", "sharded"), required=True)
@@ -100,6 +117,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--load", action="store_true", help="then measure loading the last save")
     parser.add_argument("--json", help="write the rows here (rank 0)")
     args = parser.parse_args()
     accelerator, info = setup(TrainConfig(micro_batch_size=1, grad_accum_steps=1))
@@ -126,6 +144,7 @@ def main() -> None:
         rows += gather_object(
             [measure(accelerator, model, optimizer, batch, args.format, args.async_save, root / str(i))]
         )
+    loads = gather_object([measure_load(accelerator, model, optimizer, root / str(i))]) if args.load else []
     if accelerator.is_main_process:
         shutil.rmtree(root, ignore_errors=True)
         print(
@@ -140,8 +159,12 @@ def main() -> None:
                 f"{r['extra_rss_bytes'] / 2**20:>13,.0f} {r['stall_s']:>8.2f} {r['total_s']:>8.2f} "
                 f"{r['steps_during_write']:>5}"
             )
+        for r in loads:
+            print(
+                f"load rank {r['rank']}: extra RSS {r['extra_rss_bytes'] / 2**20:,.0f} MiB, {r['load_s']:.2f} s"
+            )
         if args.json:
-            Path(args.json).write_text(json.dumps({"params": params, "rows": rows}, indent=2))
+            Path(args.json).write_text(json.dumps({"params": params, "rows": rows, "loads": loads}, indent=2))
     accelerator.end_training()
 
 

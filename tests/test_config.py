@@ -246,5 +246,8 @@ def test_the_former_allow_mismatch_switch_is_refused_with_the_names_it_takes():
     assert problem.startswith(
         "run.allow_mismatch=True is no longer a switch: it takes the names of the resume"
     )
-    assert "from: sources, tokenizer, add_bos, epoch_offset, seq_len," in problem and "micro_batch_size" in problem
+    assert (
+        "from: sources, tokenizer, add_bos, epoch_offset, seq_len," in problem
+        and "micro_batch_size" in problem
+    )
     assert load_config([str(smoke), "--run.allow_mismatch=[seq_len]"]).run.allow_mismatch == ["seq_len"]

@@ -86,6 +86,9 @@ class RunConfig:
     Unchanged sources continue from their positions; the change is printed (docs/data-sources.md)."""
     threads: int = 0
     """CPU threads per process; 0 = the cores this process may use divided by local processes."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective waits for every rank: a rank that stops (hung, stopped, its node gone) makes
+    the others fail after this long, naming it, instead of waiting forever (docs/cluster.md)."""
     name: str | None = None
     """Run name in W&B; default: <config file stem>-<output_dir name>."""
     group: str | None = None
@@ -220,6 +223,12 @@ class TrainConfig:
     spike_window: int = 100
     """Applied steps of loss history the spike threshold is computed over, judged once half of it is
     filled (with skip_spikes; saved in checkpoints)."""
+    on_spike: Literal["skip", "rollback"] = "skip"
+    """What a spike the guard flags (with skip_spikes) does: skip: that step's update is not applied |
+    rollback: the last checkpoint is reloaded and the data read since it (up to and including the
+    spike) is skipped, never trained on (the PaLM recipe); see docs/checkpoints.md."""
+    max_rollbacks: int = 3
+    """Rollbacks a run may make (with on_spike=rollback); one more spike stops it as diverged (exit 2)."""
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """float32 | bfloat16: the dtype FSDP2 reduce-scatters gradients in when precision=bf16 (whose
     policy all-gathers bf16 parameters from fp32 shards; docs/gpu.md). bfloat16 halves the traffic."""
@@ -675,6 +684,12 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
     if not t.spike_sigma > 0:
         p.append("train.spike_sigma must be > 0")
+    if t.on_spike == "rollback" and not t.skip_spikes:
+        p.append("train.on_spike=rollback acts on the spikes train.skip_spikes=true detects: set both")
+    if t.max_rollbacks < 0:
+        p.append("train.max_rollbacks must be >= 0")
+    if not cfg.run.collective_timeout_s > 0:
+        p.append("run.collective_timeout_s must be > 0")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append("optim.beta1 and optim.beta2 must be in [0, 1)")
     if o.name == "muon" and not (0 <= o.muon_momentum < 1 and o.muon_ns_steps >= 1 and o.muon_lr > 0):

@@ -29,7 +29,11 @@ def report_user_error(err: UserError) -> int:
     the exit code. Called once, by the recipe's entry point."""
     message = f"error: {err}"
     path = os.environ.get(ERROR_FILE_ENV)
-    if path:
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
+    # torch elastic shows the error file only when the job fails; one it restarts shows none
+    if path and restarts_left <= 0:
         try:
             with open(path, "w", encoding="utf-8") as f:
                 # A plain-string message: torch elastic's summary shows it as is (no Python traceback).

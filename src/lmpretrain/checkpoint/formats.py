@@ -3,7 +3,8 @@ the stateful objects, discovery and retention.
 
 * ``full``: whole tensors gathered to rank 0, which writes ``model.safetensors`` (tied aliases stored once,
   re-created on load) and ``optimizer.pt`` (the whole optimizer state, keyed by parameter names, so it
-  loads into DDP and FSDP2 models alike).
+  loads into DDP and FSDP2 models alike). At load rank 0 alone reads them and broadcasts each tensor
+  into the other ranks' own (``broadcast_from_rank0``), so no other rank ever holds a second copy.
 * ``sharded``: ``dcp/``, written with ``torch.distributed.checkpoint``: each rank writes the shards it
   holds (no rank ever holds the whole state), and a load reshards onto any number of processes.
 * averages of the weights (an EMA, ``averages={"ema": ...}``: name -> {parameter name: tensor}, DTensors
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmpretrain.errors import CheckpointError
+from lmpretrain.run.distributed import broadcast_object
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -196,13 +198,15 @@ def _optimizer_state(model, optimizer, full: bool) -> dict:
     return get_optimizer_state_dict(model, optimizer, options=_FULL if full else StateDictOptions())
 
 
-def _set_optimizer(where: Path, model, optimizer, optim_state: dict, full: bool) -> None:
+def _set_optimizer(where: Path, model, optimizer, optim_state: dict, options, moments: bool) -> None:
+    """Load ``optim_state``; ``moments``: whether it has per-parameter state. With
+    ``options.broadcast_from_rank0`` only rank 0's holds that state, the others' arrives by broadcast."""
     groups = optim_state["param_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(
             f"{where} has {len(groups)} parameter groups, the optimizer has {len(optimizer.param_groups)}"
         )
-    if not optim_state["state"]:
+    if not moments:
         optimizer.state.clear()
         for live, saved in zip(optimizer.param_groups, groups, strict=True):
             live.update({k: v for k, v in saved.items() if k != "params"})
@@ -214,7 +218,7 @@ def _set_optimizer(where: Path, model, optimizer, optim_state: dict, full: bool)
         for key, value in saved.items():
             if key != "params":
                 live.setdefault(key, value)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=full))
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
     for live, saved in zip(optimizer.param_groups, groups, strict=True):  # it turns tuples into lists
         for key, value in saved.items():
             if isinstance(value, tuple) and isinstance(live.get(key), list):
@@ -291,11 +295,17 @@ class FullFiles(Files):
                 f"{path} was written by a DeepSpeed run (its optimizer state is partitioned in "
                 f"{DEEPSPEED_DIR}/): resume it under DeepSpeed with the same number of processes"
             )
-        set_model_state_dict(
-            model, _read_model(path / MODEL_FILE), options=StateDictOptions(full_state_dict=True)
+        reads = self.state.is_main_process or not self.distributed
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.distributed)
+        set_model_state_dict(model, _read_model(path / MODEL_FILE) if reads else {}, options=options)
+        optim_state = (
+            torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True) if reads else {}
         )
-        optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        _set_optimizer(path / OPTIMIZER_FILE, model, optimizer, optim_state, full=True)
+        moments = bool(optim_state.get("state"))
+        if self.distributed:  # the others learn the (small) groups and whether there are moments at all
+            groups, moments = broadcast_object((optim_state.get("param_groups"), moments), self.state)
+            optim_state = optim_state if reads else {"state": {}, "param_groups": groups}
+        _set_optimizer(path / OPTIMIZER_FILE, model, optimizer, optim_state, options, moments)
         for name, live in (averages or {}).items():
             _scatter_into(live, safetensors.torch.load_file(path / f"{name}.safetensors", device="cpu"))
 
@@ -357,7 +367,8 @@ class ShardedFiles(Files):
             optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         else:
             optim_state = state["optimizer"]
-        _set_optimizer(path / DCP_DIR, model, optimizer, optim_state, full=False)
+        moments = bool(optim_state["state"])
+        _set_optimizer(path / DCP_DIR, model, optimizer, optim_state, StateDictOptions(), moments)
 
     def close(self):
         if self._group is not None and dist.is_initialized():

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate.utils import DistributedType
 
 from lmpretrain.data.next_line_task import ensure_next_line_task
 from lmpretrain.errors import ConfigError
@@ -136,6 +137,8 @@ class TaskSuite:
         loaded: dict = {"tasks": {}, "groups": {}, "group_map": {}}
         if e.tasks and not problems:
             loaded = _load_tasks(e.tasks, e.tasks_fewshot, problems)
+        if accelerator.distributed_type == DistributedType.FSDP:
+            problems += _unsynchronised_under_fsdp(loaded)
         if problems:
             raise ConfigError(problems, source=f"{cfg.config_path} (eval.tasks)")
         return cls(cfg, loaded, tokenizer, accelerator, precision)
@@ -195,6 +198,22 @@ class TaskSuite:
             metrics = broadcast_object_list([metrics], from_process=0)[0]
         metrics["perf/tasks_s"] = time.perf_counter() - start
         return metrics
+
+
+def _unsynchronised_under_fsdp(loaded: dict) -> list[str]:
+    """Generating tasks cannot run on a sharded model: the harness's `generate_until` calls
+    `model.generate` on each rank's own requests, which stop after different numbers of tokens, and
+    each forward of an FSDP2 model gathers parameters from every rank: the ranks' collectives no longer
+    pair up and the run hangs until run.collective_timeout_s."""
+    generating = [name for name, task in loaded["tasks"].items() if task.OUTPUT_TYPE == "generate_until"]
+    if not generating:
+        return []
+    return [
+        f"eval.tasks: {', '.join(generating)} generate text (output_type generate_until), which a sharded "
+        "(FSDP2) model cannot do in the loop: each rank would generate a different number of tokens and "
+        "the ranks' forwards stop pairing up. Remove it from eval.tasks (score it on the exported final/ "
+        "with lm_eval), or launch with DDP (configs/accelerate/ddp.yaml)"
+    ]
 
 
 def _load_tasks(specs: list[str], fewshot: int, problems: list[str]) -> dict:

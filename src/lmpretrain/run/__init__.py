@@ -8,12 +8,14 @@ from lmpretrain.run.preemption import PreemptionHandler
 from lmpretrain.run.provenance import provenance
 from lmpretrain.run.rng import LoopRNG
 from lmpretrain.run.runlock import run_lock
+from lmpretrain.run.stall_watch import StallWatch
 from lmpretrain.run.step_readout import read_step
 from lmpretrain.run.train_state import TrainState
 
 __all__ = [
     "LoopRNG",
     "PreemptionHandler",
+    "StallWatch",
     "TrainState",
     "check_fingerprint",
     "check_replicas_identical",

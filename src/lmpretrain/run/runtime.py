@@ -28,13 +28,13 @@ from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedType,
     FullyShardedDataParallelPlugin,
-    InitProcessGroupKwargs,
     set_seed,
 )
 from torch.nn.parallel import DistributedDataParallel
 
 from lmpretrain.errors import LaunchError
 from lmpretrain.run.preemption import watch_launcher
+from lmpretrain.run.process_group import process_group_kwargs, restart_count
 
 # The DeepSpeed ZeRO stages this recipe runs: parameters stay whole on every rank, so checkpoints and
 # exports read them directly. Stage 3 shards parameters too; use FSDP (configs/accelerate/fsdp.yaml) for that.
@@ -51,6 +51,8 @@ class RuntimeInfo:
     device: str
     threads: int
     sharding: str
+    restarts: int = 0  # torch elastic's restarts of this launch's process group so far
+    max_restarts: int = 0
 
     def describe(self) -> str:
         return (
@@ -68,8 +70,9 @@ def launch_requested(flag: str) -> bool:
     return os.environ.get(flag, "false").lower() == "true"
 
 
-def build_accelerator(train, log_with=None) -> Accelerator:
-    """The Accelerator for this launch; ``train`` (TrainConfig) owns accumulation, clipping and precision.
+def build_accelerator(train, log_with=None, timeout_s: float = 1800) -> Accelerator:
+    """The Accelerator for this launch; ``train`` (TrainConfig) owns accumulation, clipping and precision;
+    a collective waits at most ``timeout_s`` seconds for every rank (run/process_group.py).
 
     Our loop does autocast and loss scaling itself (accelerate's are no-ops on CPU), so accelerate's
     mixed precision stays off, except under DeepSpeed, whose engine owns precision, clipping and the step.
@@ -79,7 +82,7 @@ def build_accelerator(train, log_with=None) -> Accelerator:
         _leave_deepspeed_unimported()
     fsdp = launch_requested("ACCELERATE_USE_FSDP")
     if fsdp and not has_accelerator():
-        return _cpu_fsdp2_accelerator(train, log_with)
+        return _cpu_fsdp2_accelerator(train, log_with, timeout_s)
     if not launch_requested("ACCELERATE_USE_DEEPSPEED"):
         # cpu=True on a machine without GPUs turns a torchrun-style multi-process launch into a real gloo
         # process group; without it each process runs alone (verified with --multi_gpu on CPU).
@@ -89,6 +92,7 @@ def build_accelerator(train, log_with=None) -> Accelerator:
             mixed_precision="no",
             gradient_accumulation_steps=accum,
             fsdp_plugin=_fsdp_plugin(train) if fsdp else None,
+            kwargs_handlers=[process_group_kwargs(timeout_s)],
         )
     if importlib.util.find_spec("deepspeed") is None:
         raise LaunchError(
@@ -97,13 +101,13 @@ def build_accelerator(train, log_with=None) -> Accelerator:
     plugin = DeepSpeedPlugin(gradient_accumulation_steps=accum, gradient_clipping=train.max_grad_norm)
     # DeepSpeed runs on CPU through its CPU accelerator over gloo; accelerate only wires DeepSpeed up
     # with cpu=False, and then needs the backend named (it would assume a GPU's).
-    handlers = [] if has_accelerator() else [InitProcessGroupKwargs(backend="gloo")]
+    backend = None if has_accelerator() else "gloo"
     accelerator = Accelerator(
         log_with=log_with,
         mixed_precision=train.precision,
         deepspeed_plugin=plugin,
         gradient_accumulation_steps=accum,
-        kwargs_handlers=handlers,
+        kwargs_handlers=[process_group_kwargs(timeout_s, backend)],
     )
     # No dataloader goes through accelerate.prepare, so DeepSpeed learns the micro-batch here.
     accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = (
@@ -122,7 +126,7 @@ def _fsdp_plugin(train) -> FullyShardedDataParallelPlugin:
     return FullyShardedDataParallelPlugin(mixed_precision_policy=fsdp_policy(train))
 
 
-def _cpu_fsdp2_accelerator(train, log_with) -> Accelerator:
+def _cpu_fsdp2_accelerator(train, log_with, timeout_s) -> Accelerator:
     """FSDP2 on CPU processes over gloo, sharded by accelerate's own FSDP2 code (as on GPUs).
 
     accelerate 1.15 assigns DistributedType.FSDP only to GPU-like process groups, so on CPU it would run
@@ -143,6 +147,7 @@ def _cpu_fsdp2_accelerator(train, log_with) -> Accelerator:
         mixed_precision="no",
         gradient_accumulation_steps=train.grad_accum_steps,
         fsdp_plugin=plugin,
+        kwargs_handlers=[process_group_kwargs(timeout_s)],
     )
     if accelerator.distributed_type == DistributedType.MULTI_CPU:  # one process stays NO: refused later
         accelerator.state.distributed_type = DistributedType.FSDP
@@ -326,13 +331,18 @@ def describe_runtime(accelerator: Accelerator, threads: int) -> RuntimeInfo:
         device=str(accelerator.device),
         threads=threads,
         sharding=sharding,
+        restarts=restart_count(),
+        max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
     )
 
 
-def setup(train, threads: int = 0, seed: int = 0, log_with=None) -> tuple[Accelerator, RuntimeInfo]:
-    """Build and check the Accelerator, set threads and the seed; ranks stop if their launcher dies."""
+def setup(
+    train, threads: int = 0, seed: int = 0, log_with=None, timeout_s: float = 1800
+) -> tuple[Accelerator, RuntimeInfo]:
+    """Build and check the Accelerator, set threads and the seed; ranks stop if their launcher dies;
+    ``timeout_s`` bounds every collective (run.collective_timeout_s)."""
     watch_launcher()
-    accelerator = build_accelerator(train, log_with)
+    accelerator = build_accelerator(train, log_with, timeout_s)
     check_launch(accelerator, train)
     used = configure_threads(threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     set_seed(seed)  # same seed on every rank: identical init, DDP would broadcast rank 0's anyway

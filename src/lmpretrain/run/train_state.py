@@ -14,6 +14,12 @@ class TrainState:
     """The step `eval_loss` was measured at."""
     best_eval_loss: float | None = None
     wandb_run_id: str | None = None
+    rollbacks: int = 0
+    """Spike rollbacks so far (train.on_spike=rollback); they outlast the checkpoints they reload."""
+    rolled_back_steps: int = 0
+    """Steps whose data a rollback skipped (counted in skipped_steps too)."""
+    rolled_back_tokens: int = 0
+    """The tokens of those steps (a train.batch_ramp gives steps of different sizes)."""
 
     def record_eval(self, loss: float) -> None:
         """Note an eval run at the current step (and the best loss so far)."""

@@ -10,9 +10,11 @@ from lmpretrain.update.optim import (
     describe_groups,
     describe_implementation,
 )
+from lmpretrain.update.rollback import SpikeRollback
 from lmpretrain.update.schedule import hyperparameter_changes, learning_rate, set_lr
 
 __all__ = [
+    "SpikeRollback",
     "UpdateGuard",
     "WeightAverage",
     "apply_hyperparameters",

@@ -52,10 +52,10 @@ from lmpretrain.observe import (
     ConsoleWarnings,
     Evaluator,
     MFUMeter,
+    StepLog,
     StepProfiler,
     TaskSuite,
     Tracker,
-    format_log_line,
     generate_sample,
     step_metrics,
     wandb_log_with,
@@ -175,12 +175,9 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     saved = checkpointer.metadata(resume_from) if resume_from else None
     if saved:  # before the model is built: a refused resume costs seconds, and writes nothing
         for line in check_fingerprint(
-            saved["fingerprint"],
-            fingerprint,
-            allow_mismatch=cfg.run.allow_mismatch,
-            lr=cfg.optim.lr,
+            saved["fingerprint"], fingerprint, allow_mismatch=cfg.run.allow_mismatch, lr=cfg.optim.lr,
             allow_data_change=cfg.run.allow_data_change,
-        ):
+        ):  # fmt: skip
             say(line)
 
     # ---- Build: model and its objective, speed switches, optimizer, precision, wrapping ------------
@@ -243,23 +240,20 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         if resume_from.parent.parent.resolve() != out.resolve():  # a branch into another output dir
             state.wandb_run_id = None  # (e.g. an anneal) is a W&B run of its own, not the original's
         apply_hyperparameters(optimizer, cfg.optim)  # the current config's, not the checkpoint's
-        updates = state.step - state.skipped_steps
-        changes = hyperparameter_changes(saved["config"], cfg, state.step, updates, ramp)
-        if changes:
-            say(changes)
-        if mixture := mixture_change(saved["fingerprint"], fingerprint, state.step):
-            say(mixture)
+        for note in (  # what changed since the checkpoint: hyper-parameters and the lr, the data mixture
+            hyperparameter_changes(saved["config"], cfg, state.step, state.step - state.skipped_steps, ramp),
+            mixture_change(saved["fingerprint"], fingerprint, state.step),
+        ):  # fmt: skip
+            if note:
+                say(note)
     batches = train_data.start()  # reads the first step now: a saved position that no longer fits fails here
     if accelerator.is_main_process:  # only now: a refused resume writes nothing
         save_config(cfg, out / "config.yaml", provenance=made_by)
 
     tracker = Tracker.for_run(
-        accelerator,
-        cfg,
-        facts={**counts, "runtime": vars(info), **meter.facts(), "provenance": made_by},
-        run_id=state.wandb_run_id,
-        resume_step=state.step if resume_from else None,
-    )
+        accelerator, cfg, facts={**counts, "runtime": vars(info), **meter.facts(), "provenance": made_by},
+        run_id=state.wandb_run_id, resume_step=state.step if resume_from else None,
+    )  # fmt: skip
     cleanup.push(lambda exc_type, *_: tracker.finish(exit_code=1 if exc_type else 0))
     state.wandb_run_id = tracker.run_id
     warnings = ConsoleWarnings(say, max_skipped=cfg.train.max_skipped_steps)
@@ -294,16 +288,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     )
     progress = step_bar(total=cfg.train.max_steps, initial=state.step, enabled=accelerator.is_main_process)
     cleanup.callback(progress.close)
-
-    def log_step(metrics, terms):
-        tracker.log(metrics, step=state.step)
-        progress.update(1)
-        progress.set_postfix(
-            loss=f"{metrics['train/loss']:.3f}", lr=f"{metrics['train/lr']:.2e}", refresh=False
-        )
-        if state.step % cfg.logging.every == 0 and accelerator.is_main_process:
-            progress.write(format_log_line(state.step, metrics, cfg.train.max_steps, terms=terms))
-
+    log_step = StepLog(tracker, progress, cfg.logging.every, cfg.train.max_steps, accelerator.is_main_process)
     max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
     first_step = state.step + 1
     if state.step == 0 and cfg.eval.every:  # the baseline every curve starts from
@@ -344,7 +329,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         final_step = state.step == cfg.train.max_steps
         if final_step or (cfg.eval.every and state.step % cfg.eval.every == 0):  # 7. evaluate
             metrics.update(run_eval())
-        log_step(metrics, terms=step["terms"])  # W&B + metrics.jsonl, the step bar, the console line
+        log_step(state.step, metrics, terms=step["terms"])  # W&B + metrics.jsonl, the step bar, the console
         stop = bool(step["host"]["stop"])  # any rank signalled: every rank saves and stops here
         checkpointer.poll()  # commits a background save once every rank has written it
         # 8. checkpoint. Not periodically while updates are skipped, nor at the end while they are non-finite:

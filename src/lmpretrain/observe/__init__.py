@@ -1,7 +1,7 @@
 """What a run shows: W&B tracking, the console line, progress bars, FLOPs/MFU, held-out evaluation,
 downstream tasks (lm-evaluation-harness, imported only when a run has tasks)."""
 
-from lmpretrain.observe.console import ConsoleWarnings, format_log_line
+from lmpretrain.observe.console import ConsoleWarnings, StepLog, format_log_line
 from lmpretrain.observe.evaluation import Evaluator, generate_sample
 from lmpretrain.observe.flops import MFUMeter
 from lmpretrain.observe.metrics import step_metrics
@@ -13,6 +13,7 @@ __all__ = [
     "ConsoleWarnings",
     "Evaluator",
     "MFUMeter",
+    "StepLog",
     "StepProfiler",
     "TaskSuite",
     "Tracker",

@@ -142,3 +142,20 @@ def main_task_metrics(metrics: Mapping[str, Any]) -> dict[str, tuple[str, float]
         if name is not None:
             main[task] = (name, values[name])
     return main
+
+
+class StepLog:
+    """Where a step's metrics go: W&B and metrics.jsonl (`tracker`), the step bar's loss and lr, and every
+    `every` steps the console line (main process only)."""
+
+    def __init__(self, tracker, progress, every: int, max_steps: int, main: bool):
+        self.tracker, self.progress, self.main = tracker, progress, main
+        self.every, self.max_steps = every, max_steps
+
+    def __call__(self, step: int, metrics: Mapping[str, Any], terms: Iterable[str] = ()) -> None:
+        self.tracker.log(metrics, step=step)
+        self.progress.update(1)
+        loss, lr = f"{metrics['train/loss']:.3f}", f"{metrics['train/lr']:.2e}"
+        self.progress.set_postfix(loss=loss, lr=lr, refresh=False)
+        if step % self.every == 0 and self.main:
+            self.progress.write(format_log_line(step, metrics, self.max_steps, terms=terms))

@@ -103,3 +103,85 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ---- pytest-xdist: tests that share a run share a worker -------------------------------------------------
+
+# Shared fixtures that are cheap or safe to build once per worker (the corpus cache takes a file lock).
+_PER_WORKER = {"small_tokenizer", "stdlib_cache"}
+
+
+def _defined_in_this_suite(func) -> bool:
+    import inspect
+    from pathlib import Path
+
+    try:
+        return Path(inspect.getsourcefile(func)).resolve().is_relative_to(Path(__file__).resolve().parent)
+    except TypeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n N --dist loadgroup` (make test), put every test that uses one module- or
+    session-scoped fixture of this suite (a recipe run several tests read) into one xdist group, joined
+    transitively (a test reading two shared runs joins their groups), so each shared run is made once
+    instead of once per worker; every other test is scheduled on its own."""
+    parent: dict[str, str] = {}
+
+    def find(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    shared_by_item = []
+    for item in items:
+        keys = []
+        info = getattr(item, "_fixtureinfo", None)
+        for name in getattr(item, "fixturenames", ()) if info else ():
+            defs = info.name2fixturedefs.get(name, ())
+            for fixturedef in defs[-1:]:
+                if fixturedef.scope not in ("module", "package", "session") or name in _PER_WORKER:
+                    continue
+                if not _defined_in_this_suite(fixturedef.func):  # pytest's own (tmp_path_factory, ...)
+                    continue
+                scope_key = item.module.__name__ if fixturedef.scope == "module" else ""
+                keys.append(f"{scope_key}::{name}")
+        for key in keys[1:]:
+            parent[find(key)] = find(keys[0])
+        shared_by_item.append(keys)
+    for item, keys in zip(items, shared_by_item, strict=True):
+        if keys:
+            item.add_marker(pytest.mark.xdist_group(find(keys[0])))
+
+
+# ---- per-test CPU time (LMPRETRAIN_TEST_CPU_LOG=path): load-insensitive suite timing -------------------------
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With LMPRETRAIN_TEST_CPU_LOG set, append one JSON line per test: its CPU seconds (this process and
+    every child process it waited for, setup and teardown included) and its wall seconds. On a shared
+    machine wall times swell with the load; CPU time does not, and on idle cores wall ~ CPU / cores used."""
+    import os
+    import time
+
+    path = os.environ.get("LMPRETRAIN_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    row = {
+        "test": item.nodeid,
+        "cpu_s": round(_cpu_seconds() - cpu, 2),
+        "wall_s": round(time.monotonic() - wall, 2),
+    }
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")

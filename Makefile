@@ -29,11 +29,12 @@ smoke: setup
 		recipes/pretrain.py configs/smoke.yaml $(ARGS)
 
 # pytest-xdist workers: most tests wait on process start-up (imports, rendezvous, W&B's service), so two
-# workers keep two cores busy; tests that read one shared run are kept on one worker (tests/conftest.py).
-# A test that starts 2 ranks uses 2 cores, hence one worker per 2 cores beyond that.
-# TEST_WORKERS=0 runs the suite in this one process; PYTEST_ARGS are passed last (e.g. "-k resume").
+# workers keep two cores busy. A test that starts 2 ranks uses 2 cores, hence one worker per 2 cores
+# beyond that. --dist loadfile: a test file runs on one worker, so its module-scoped runs are made once
+# (a session-scoped run that several files read, e.g. two_ranks_accum2, is made once per worker that
+# needs it). TEST_WORKERS=0 runs the suite in this one process; PYTEST_ARGS come last (e.g. "-k resume").
 TEST_WORKERS ?= $(shell n=$$(( $(NPROC) / 2 )); [ $$n -lt 2 ] && n=2; echo $$n)
-PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test: setup
 	$(PYTEST) $(PYTEST_ARGS)

@@ -105,53 +105,74 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# ---- pytest-xdist: tests that share a run share a worker -------------------------------------------------
+# ---- pytest-xdist (make test: -n 2 --dist loadfile, so a module's shared runs are made once) ------------
 
-# Shared fixtures that are cheap or safe to build once per worker (the corpus cache takes a file lock).
-_PER_WORKER = {"small_tokenizer", "stdlib_cache"}
+# Runs whose assertions compare two measurements taken at different moments (the smoke run checks
+# perf/mfu < 1: tokens/s against the peak FLOP/s it measured at start-up), so another worker's burst
+# between the two would skew them: under xdist they run while no other test does.
+_ALONE_FIXTURES = {"smoke"}
 
 
-def _defined_in_this_suite(func) -> bool:
-    import inspect
-    from pathlib import Path
+class _WorkerLock:
+    """Across xdist workers: every test holds a shared lock, an _ALONE_FIXTURES setup the exclusive one.
+    A turnstile file keeps new shared holders out while an exclusive one waits (no starvation)."""
 
+    def __init__(self, folder):
+        self.main = open(folder / "workers.lock", "a+")  # noqa: SIM115 - held for the whole session
+        self.turnstile = open(folder / "workers.turnstile", "a+")  # noqa: SIM115
+
+    def shared(self) -> None:
+        import fcntl
+
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        fcntl.flock(self.main, fcntl.LOCK_SH)
+        fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+
+    def exclusive(self) -> None:
+        """From shared to exclusive, waiting for the other workers' current tests to end."""
+        import fcntl
+
+        fcntl.flock(self.main, fcntl.LOCK_UN)  # first: holding it while waiting could deadlock
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        fcntl.flock(self.main, fcntl.LOCK_EX)
+        fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+
+    def downgrade(self) -> None:
+        """Back to shared, without the turnstile (a waiting worker may hold it)."""
+        import fcntl
+
+        fcntl.flock(self.main, fcntl.LOCK_SH)
+
+    def unlock(self) -> None:
+        import fcntl
+
+        fcntl.flock(self.main, fcntl.LOCK_UN)
+
+
+def _worker_lock(config) -> _WorkerLock | None:
+    """This worker's handle on the lock, in the folder all workers' temporary folders share (this run's)."""
+    import os
+
+    global _LOCK
+    if os.environ.get("PYTEST_XDIST_WORKER") and _LOCK is None:
+        _LOCK = _WorkerLock(config._tmp_path_factory.getbasetemp().parent)
+    return _LOCK
+
+
+_LOCK = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    lock = _worker_lock(request.config) if fixturedef.argname in _ALONE_FIXTURES else None
+    if lock is None:
+        yield
+        return
+    lock.exclusive()
     try:
-        return Path(inspect.getsourcefile(func)).resolve().is_relative_to(Path(__file__).resolve().parent)
-    except TypeError:
-        return False
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under `pytest -n N --dist loadgroup` (make test), put every test that uses one module- or
-    session-scoped fixture of this suite (a recipe run several tests read) into one xdist group, joined
-    transitively (a test reading two shared runs joins their groups), so each shared run is made once
-    instead of once per worker; every other test is scheduled on its own."""
-    parent: dict[str, str] = {}
-
-    def find(key: str) -> str:
-        while parent.setdefault(key, key) != key:
-            key = parent[key]
-        return key
-
-    shared_by_item = []
-    for item in items:
-        keys = []
-        info = getattr(item, "_fixtureinfo", None)
-        for name in getattr(item, "fixturenames", ()) if info else ():
-            defs = info.name2fixturedefs.get(name, ())
-            for fixturedef in defs[-1:]:
-                if fixturedef.scope not in ("module", "package", "session") or name in _PER_WORKER:
-                    continue
-                if not _defined_in_this_suite(fixturedef.func):  # pytest's own (tmp_path_factory, ...)
-                    continue
-                scope_key = item.module.__name__ if fixturedef.scope == "module" else ""
-                keys.append(f"{scope_key}::{name}")
-        for key in keys[1:]:
-            parent[find(key)] = find(keys[0])
-        shared_by_item.append(keys)
-    for item, keys in zip(items, shared_by_item, strict=True):
-        if keys:
-            item.add_marker(pytest.mark.xdist_group(find(keys[0])))
+        yield
+    finally:
+        lock.downgrade()
 
 
 # ---- per-test CPU time (LMPRETRAIN_TEST_CPU_LOG=path): load-insensitive suite timing -------------------------
@@ -166,18 +187,25 @@ def _cpu_seconds() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """With LMPRETRAIN_TEST_CPU_LOG set, append one JSON line per test: its CPU seconds (this process and
-    every child process it waited for, setup and teardown included) and its wall seconds. On a shared
-    machine wall times swell with the load; CPU time does not, and on idle cores wall ~ CPU / cores used."""
+    """Under xdist, hold the workers' shared lock (see _WorkerLock). With LMPRETRAIN_TEST_CPU_LOG set,
+    append one JSON line per test: its CPU seconds (this process and every child process it waited for,
+    setup and teardown included) and its wall seconds. On a shared machine wall times swell with the
+    load; CPU time does not, and on idle cores wall ~ CPU / cores used."""
     import os
     import time
 
+    lock = _worker_lock(item.config)
+    if lock is not None:
+        lock.shared()
     path = os.environ.get("LMPRETRAIN_TEST_CPU_LOG")
-    if not path:
-        yield
-        return
     cpu, wall = _cpu_seconds(), time.monotonic()
-    yield
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.unlock()
+    if not path:
+        return
     row = {
         "test": item.nodeid,
         "cpu_s": round(_cpu_seconds() - cpu, 2),

@@ -29,12 +29,20 @@ smoke: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m lmpretrain.launch --config_file configs/accelerate/cpu.yaml \
 		recipes/pretrain.py configs/smoke.yaml $(ARGS)
 
+# pytest-xdist workers: most tests wait on process start-up (imports, rendezvous, W&B's service), so two
+# workers keep two cores busy. A test that starts 2 ranks uses 2 cores, hence one worker per 2 cores
+# beyond that. --dist loadfile: a test file runs on one worker, so its module-scoped runs are made once
+# (a session-scoped run that several files read, e.g. two_ranks_accum2, is made once per worker that
+# needs it). TEST_WORKERS=0 runs the suite in this one process; PYTEST_ARGS come last (e.g. "-k resume").
+TEST_WORKERS ?= $(shell n=$$(( $(NPROC) / 2 )); [ $$n -lt 2 ] && n=2; echo $$n)
+PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: setup
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 # The quick lane: unit tests only (no test marked slow, i.e. none that launches the recipe or several processes).
 test-fast: setup
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 benchmark: setup
 	$(BIN)/python scripts/benchmark.py configs/default.yaml

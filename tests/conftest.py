@@ -103,3 +103,113 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ---- pytest-xdist (make test: -n 2 --dist loadfile, so a module's shared runs are made once) ------------
+
+# Runs whose assertions compare two measurements taken at different moments (the smoke run checks
+# perf/mfu < 1: tokens/s against the peak FLOP/s it measured at start-up), so another worker's burst
+# between the two would skew them: under xdist they run while no other test does.
+_ALONE_FIXTURES = {"smoke"}
+
+
+class _WorkerLock:
+    """Across xdist workers: every test holds a shared lock, an _ALONE_FIXTURES setup the exclusive one.
+    A turnstile file keeps new shared holders out while an exclusive one waits (no starvation)."""
+
+    def __init__(self, folder):
+        self.main = open(folder / "workers.lock", "a+")  # noqa: SIM115 - held for the whole session
+        self.turnstile = open(folder / "workers.turnstile", "a+")  # noqa: SIM115
+
+    def shared(self) -> None:
+        import fcntl
+
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        fcntl.flock(self.main, fcntl.LOCK_SH)
+        fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+
+    def exclusive(self) -> None:
+        """From shared to exclusive, waiting for the other workers' current tests to end."""
+        import fcntl
+
+        fcntl.flock(self.main, fcntl.LOCK_UN)  # first: holding it while waiting could deadlock
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        fcntl.flock(self.main, fcntl.LOCK_EX)
+        fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+
+    def downgrade(self) -> None:
+        """Back to shared, without the turnstile (a waiting worker may hold it)."""
+        import fcntl
+
+        fcntl.flock(self.main, fcntl.LOCK_SH)
+
+    def unlock(self) -> None:
+        import fcntl
+
+        fcntl.flock(self.main, fcntl.LOCK_UN)
+
+
+def _worker_lock(config) -> _WorkerLock | None:
+    """This worker's handle on the lock, in the folder all workers' temporary folders share (this run's)."""
+    import os
+
+    global _LOCK
+    if os.environ.get("PYTEST_XDIST_WORKER") and _LOCK is None:
+        _LOCK = _WorkerLock(config._tmp_path_factory.getbasetemp().parent)
+    return _LOCK
+
+
+_LOCK = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    lock = _worker_lock(request.config) if fixturedef.argname in _ALONE_FIXTURES else None
+    if lock is None:
+        yield
+        return
+    lock.exclusive()
+    try:
+        yield
+    finally:
+        lock.downgrade()
+
+
+# ---- per-test CPU time (LMPRETRAIN_TEST_CPU_LOG=path): load-insensitive suite timing -------------------------
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, hold the workers' shared lock (see _WorkerLock). With LMPRETRAIN_TEST_CPU_LOG set,
+    append one JSON line per test: its CPU seconds (this process and every child process it waited for,
+    setup and teardown included) and its wall seconds. On a shared machine wall times swell with the
+    load; CPU time does not, and on idle cores wall ~ CPU / cores used."""
+    import os
+    import time
+
+    lock = _worker_lock(item.config)
+    if lock is not None:
+        lock.shared()
+    path = os.environ.get("LMPRETRAIN_TEST_CPU_LOG")
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.unlock()
+    if not path:
+        return
+    row = {
+        "test": item.nodeid,
+        "cpu_s": round(_cpu_seconds() - cpu, 2),
+        "wall_s": round(time.monotonic() - wall, 2),
+    }
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")

@@ -143,12 +143,16 @@ def run_command(cmd: list[str], out_dir, *, env=None, timeout=600, check=True) -
     return result
 
 
-def run_in_one_process(arg_lists: list[list[str]], timeout=600) -> list[str]:
+def run_in_one_process(arg_lists: list[list[str]], timeout=600, env=None) -> list[str]:
     """Run the recipe once per argument list, all in one process (tests/run_in_one_process.py: one
-    interpreter start-up for all); returns each run's output and fails unless every run went through."""
+    interpreter start-up for all); returns each run's output and fails unless every run went through.
+    `timeout` is per run, as each would have had on its own."""
     script = ROOT / "tests" / "run_in_one_process.py"
     output = run_command(
-        [sys.executable, str(script), *map(json.dumps, arg_lists)], ROOT, timeout=timeout
+        [sys.executable, str(script), *map(json.dumps, arg_lists)],
+        ROOT,
+        env=env,
+        timeout=timeout * len(arg_lists),
     ).output
     logs = output.split("=== run ")[1:]
     assert len(logs) == len(arg_lists) and all(f"=== ok {i}" in log for i, log in enumerate(logs)), output[

@@ -41,6 +41,65 @@ def smoke(tmp_path_factory):
     return rr.run(tmp_path_factory.mktemp("smoke") / "run")
 
 
+# The runs of the tests below that are about the training loop, not the launcher (the smoke run above is
+# the launched one): one process runs them all (tests/run_in_one_process.py), each exactly as
+# `python recipes/pretrain.py ARGS` would, without an interpreter start-up and an `accelerate launch` each.
+ACCUM = [
+    *rr.QUICK,
+    "--train.max_steps=6",
+    "--eval.every=0",
+    "--checkpoint.every=0",
+    "--train.mask_cross_doc_targets=true",
+    "--logging.wandb_mode=disabled",
+    "--train.param_dtype=float64",
+]
+PLAIN_LOOP_STEPS, PLAIN_LOOP_SEED = 4, 1337
+PLAIN_LOOP = [
+    *rr.QUICK,
+    f"--train.max_steps={PLAIN_LOOP_STEPS}",
+    "--eval.every=0",
+    "--checkpoint.every=0",
+    "--train.grad_accum_steps=1",
+    "--train.micro_batch_size=8",
+    "--optim.decay_embeddings=true",
+    "--logging.wandb_mode=disabled",
+    "--optim.warmup_steps=2",
+]
+FP16_OVERFLOW = [
+    *rr.QUICK,
+    "--train.precision=fp16",
+    "--train.loss_scale_init=1073741824",
+    "--train.max_steps=16",
+    "--eval.every=0",
+    "--checkpoint.every=0",
+    "--logging.wandb_mode=disabled",
+]
+
+
+@pytest.fixture(scope="module")
+def loop_runs(smoke, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop")
+    continued = [
+        *rr.QUICK,
+        f"--model.pretrained={smoke.out / 'final'}",
+        "--train.max_steps=6",
+        "--optim.warmup_steps=1",
+        "--eval.every=0",
+        "--logging.wandb_mode=disabled",
+    ]
+    plan = {
+        "k2": [*ACCUM, "--train.micro_batch_size=4", "--train.grad_accum_steps=2"],
+        "k1": [*ACCUM, "--train.micro_batch_size=8", "--train.grad_accum_steps=1"],
+        "plain_loop": PLAIN_LOOP,
+        "fp16": FP16_OVERFLOW,
+        "continued": continued,
+    }
+    logs = rr.run_in_one_process(
+        [[str(rr.SMOKE), f"--run.output_dir={root / n}", *a] for n, a in plan.items()]
+    )
+    return {name: rr.Run(root / name, 0, log) for name, log in zip(plan, logs, strict=True)}
+
+
 def train_rows(run):
     return [r for r in run.metrics() if "train/loss" in r]
 
@@ -113,46 +172,25 @@ def test_offline_wandb_run_reads_back(smoke):
     )
 
 
-def test_accumulation_equals_one_big_batch_with_uneven_ignored_tokens(tmp_path):
+def test_accumulation_equals_one_big_batch_with_uneven_ignored_tokens(loop_runs):
     """B=4 x K=2 == B=8 x K=1 with documents' first tokens ignored (uneven counts per micro-batch).
 
     float64 parameters: fp32 summation-order noise in near-zero gradients is amplified by Adam's
     normalisation (about 5e-5 relative after 6 steps here), which would hide a real normalisation bug.
     """
-    common = [
-        *rr.QUICK,
-        "--train.max_steps=6",
-        "--eval.every=0",
-        "--checkpoint.every=0",
-        "--train.mask_cross_doc_targets=true",
-        "--logging.wandb_mode=disabled",
-        "--train.param_dtype=float64",
-    ]
-    accum = rr.run(tmp_path / "k2", *common, "--train.micro_batch_size=4", "--train.grad_accum_steps=2")
-    big = rr.run(tmp_path / "k1", *common, "--train.micro_batch_size=8", "--train.grad_accum_steps=1")
+    accum, big = loop_runs["k2"], loop_runs["k1"]
     for a, b in zip(accum.metrics(), big.metrics(), strict=True):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-9)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-9)
     assert rr.rel_diff(accum.weights(), big.weights()) < 1e-9
 
 
-def test_first_steps_match_a_plain_pytorch_loop(tmp_path):
+def test_first_steps_match_a_plain_pytorch_loop(loop_runs):
     """Same init, same batches: the recipe == torch AdamW + clip_grad_norm_ + SequentialLR + mean CE."""
-    steps, seed = 4, 1337
-    overrides = [
-        *rr.QUICK,
-        f"--train.max_steps={steps}",
-        "--eval.every=0",
-        "--checkpoint.every=0",
-        "--train.grad_accum_steps=1",
-        "--train.micro_batch_size=8",
-        "--optim.decay_embeddings=true",
-        "--logging.wandb_mode=disabled",
-        "--optim.warmup_steps=2",
-    ]
-    recipe = rr.run(tmp_path / "recipe", *overrides)
+    steps, seed = PLAIN_LOOP_STEPS, PLAIN_LOOP_SEED
+    recipe = loop_runs["plain_loop"]
 
-    cfg = load_config([str(rr.SMOKE), *[o for o in overrides if not o.startswith("--logging")]])
+    cfg = load_config([str(rr.SMOKE), *[o for o in PLAIN_LOOP if not o.startswith("--logging")]])
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     set_seed(seed)
     model = AutoModelForCausalLM.from_config(build_model_config(cfg.model, tokenizer))
@@ -190,19 +228,10 @@ def test_first_steps_match_a_plain_pytorch_loop(tmp_path):
     assert rr.rel_diff(ours, ref) < 1e-5
 
 
-def test_fp16_really_runs_and_overflow_skips_keep_the_schedule(tmp_path):
+def test_fp16_really_runs_and_overflow_skips_keep_the_schedule(loop_runs):
     """A loss scale of 2^30 overflows fp16 gradients: those steps are skipped, the scale halves each
     time, and the learning rate stays where it was until a step really happens."""
-    run = rr.run(
-        tmp_path / "fp16",
-        *rr.QUICK,
-        "--train.precision=fp16",
-        "--train.loss_scale_init=1073741824",
-        "--train.max_steps=16",
-        "--eval.every=0",
-        "--checkpoint.every=0",
-        "--logging.wandb_mode=disabled",
-    )
+    run = loop_runs["fp16"]
     rows = run.metrics()
     skipped = [0] + [r["train/skipped_steps"] for r in rows]
     scale = 2.0**30
@@ -252,17 +281,9 @@ def test_unwritable_output_dir_fails_before_training(tmp_path):
     assert "pretrain:" not in run.output  # no progress bar: nothing started
 
 
-def test_continued_pretraining_from_an_exported_model(smoke, tmp_path):
+def test_continued_pretraining_from_an_exported_model(smoke, loop_runs):
     """model.pretrained loads the weights (the model type and shape come from the saved config)."""
-    cont = rr.run(
-        tmp_path / "cont",
-        *rr.QUICK,
-        f"--model.pretrained={smoke.out / 'final'}",
-        "--train.max_steps=6",
-        "--optim.warmup_steps=1",
-        "--eval.every=0",
-        "--logging.wandb_mode=disabled",
-    )
+    cont = loop_runs["continued"]
     first = cont.metrics()[0]["train/loss"]
     fresh = train_rows(smoke)[0]["train/loss"]
     assert first < train_rows(smoke)[-1]["train/loss"] + 0.5 < fresh  # starts where the smoke run ended

@@ -15,13 +15,15 @@ SHORT = [*rr.QUICK, "--train.max_steps=8", "--eval.every=4", "--checkpoint.every
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two runs with the same seed and one with another lr, all with an API key in the environment."""
+    """Two runs with the same seed and one with another lr, all with an API key in the environment
+    (one process runs the three, each as `python recipes/pretrain.py` would)."""
     root = tmp_path_factory.mktemp("compare")
-    env = {"WANDB_API_KEY": SECRET}
-    return {
-        name: rr.run(root / name, *SHORT, *extra, launch=None, env=env)
-        for name, extra in (("seed-a", []), ("seed-b", []), ("lr-high", ["--optim.lr=1e-2"]))
-    }
+    plan = {"seed-a": [], "seed-b": [], "lr-high": ["--optim.lr=1e-2"]}
+    logs = rr.run_in_one_process(
+        [[str(rr.SMOKE), f"--run.output_dir={root / name}", *SHORT, *extra] for name, extra in plan.items()],
+        env={"WANDB_API_KEY": SECRET},
+    )
+    return {name: rr.Run(root / name, 0, log) for name, log in zip(plan, logs, strict=True)}
 
 
 def compare(*args):

@@ -137,7 +137,7 @@ class TaskSuite:
         loaded: dict = {"tasks": {}, "groups": {}, "group_map": {}}
         if e.tasks and not problems:
             loaded = _load_tasks(e.tasks, e.tasks_fewshot, problems)
-        if accelerator.distributed_type == DistributedType.FSDP:
+        if getattr(accelerator, "distributed_type", None) == DistributedType.FSDP:  # (None: no processes yet)
             problems += _unsynchronised_under_fsdp(loaded)
         if problems:
             raise ConfigError(problems, source=f"{cfg.config_path} (eval.tasks)")

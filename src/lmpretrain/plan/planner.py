@@ -139,7 +139,7 @@ def make_plan(cfg: Config, launch: Launch, gpu: GPU, memory_fraction: float = 0.
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:8.2f} GB"
+    return f"{n / 1e9:8.2f} GB" if abs(n) >= 1e8 else f"{n / 1e6:8.2f} MB"
 
 
 def format_plan(plan: Plan) -> str:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from lmpretrain.model.build import build_model
 from lmpretrain.model.objective import LMObjective, install_loss_forward, weighted_sum
@@ -64,6 +64,26 @@ class _FSDPTracker(FSDPMemTracker):
             return inner(*args, **kwargs)
 
         return seeded
+
+
+def _cpu_flash(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# sdpa on the CPU runs its own FlashAttention kernel, which torch's FLOP counter has no formula for; it is the
+# CUDA flash kernel's arithmetic (the same formulas torch uses for that one).
+_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+}
+
+
+def _flop_counter() -> FlopCounterMode:
+    return FlopCounterMode(display=False, custom_mapping=_ATTENTION_FLOPS)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -133,9 +153,16 @@ def simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool 
             enable_activation_checkpointing(model)
         if deepspeed and dtype is not None:  # the engine trains 16-bit weights (fp32 masters: arithmetic)
             model.to(dtype)
-        if launch.wrapping == "fsdp2":
-            model = _fsdp2(model, cfg, launch, world)
+        # Built before wrapping, as in the recipe (Muon finds the blocks by their class names, which FSDP2
+        # changes); then pointed at the sharded parameters, as accelerate's prepare does.
         optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
+        if launch.wrapping == "fsdp2":
+            names = {id(p): n for n, p in model.named_parameters()}
+            groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+            model = _fsdp2(model, cfg, launch, world)
+            sharded = dict(model.named_parameters())
+            for group, group_names in zip(optimizer.param_groups, groups, strict=True):
+                group["params"][:] = [sharded[n] for n in group_names]
         objective = LMObjective.from_config(cfg, model_config.eos_token_id)
         ids = torch.randint(0, model_config.vocab_size, (micro_batch, cfg.data.seq_len))
         if launch.wrapping == "fsdp2":
@@ -154,10 +181,12 @@ def simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool 
         with tracker:
             for sync in kinds:
                 repeats = 1 if sync else accum - 1
+                if not isinstance(tracker, FSDPMemTracker):  # its module stats are per call; the peak stays
+                    tracker.reset_mod_stats()
                 with _gradient_sync(model, launch, sync), CollectiveBytes() as counted:
-                    with FlopCounterMode(display=False) as forward, autocast:
+                    with _flop_counter() as forward, autocast:
                         terms = objective(model, ids, ids)
-                    with FlopCounterMode(display=False) as backward:
+                    with _flop_counter() as backward:
                         weighted_sum(terms).backward()
                 flops["forward"] += repeats * forward.get_total_flops()
                 flops["backward"] += repeats * backward.get_total_flops()
@@ -169,7 +198,7 @@ def simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool 
             for kind, value in counted.received.items():
                 comm[kind] += value
             grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
-            with CollectiveBytes() as counted, FlopCounterMode(display=False) as step:
+            with CollectiveBytes() as counted, _flop_counter() as step:
                 optimizer.step()
             flops["optimizer"] = step.get_total_flops()
             muon_comm = dict(counted.received)

@@ -53,7 +53,12 @@ def test_flops_equal_the_recipes_count():
 
 @pytest.mark.parametrize(
     "config, checkpointing",
-    [("smoke.yaml", False), ("smoke.yaml", True), ("default.yaml", False), ("default.yaml", True)],
+    [
+        ("smoke.yaml", False),
+        ("smoke.yaml", True),
+        pytest.param("default.yaml", False, marks=pytest.mark.slow),
+        pytest.param("default.yaml", True, marks=pytest.mark.slow),
+    ],
 )
 def test_fake_step_matches_the_real_step(config, checkpointing):
     """The fake-tensor step against the same step on real tensors measured by torch's real-mode MemTracker:
@@ -64,7 +69,15 @@ def test_fake_step_matches_the_real_step(config, checkpointing):
     fake = simulate(cfg, model_config, launch, cfg.train.micro_batch_size, fake=True)
     real = simulate(cfg, model_config, launch, cfg.train.micro_batch_size, fake=False)
     assert (fake.params, fake.grads, fake.optimizer) == (real.params, real.grads, real.optimizer)
-    assert abs(fake.activations_peak - real.activations_peak) <= 0.15 * real.activations_peak
+    # Under activation checkpointing torch's MemTracker splits the recomputed tensors between Activation and
+    # Temp differently on fake and real tensors (its documented limitation): there the micro-batch's whole
+    # memory (activations + temporaries at the peak) is compared; without it the activations alone.
+    if checkpointing:
+        fake_act, real_act = fake.activations_peak + fake.buffers, real.activations_peak + real.buffers
+    else:
+        fake_act, real_act = fake.activations_peak, real.activations_peak
+    assert abs(fake_act - real_act) <= 0.15 * real_act
+    assert abs(fake.total_peak - real.total_peak) <= 0.15 * real.total_peak
     assert fake.flops == real.flops
 
 

@@ -58,6 +58,7 @@ from lmpretrain.observe import (
     step_metrics,
     wandb_log_with,
 )
+from lmpretrain.plan.preflight import check_plan_fits
 from lmpretrain.preflight import preflight
 from lmpretrain.progress import step_bar
 from lmpretrain.run import (
@@ -138,6 +139,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     import_model_modules(cfg.model)  # a fork's own model classes register with the Auto classes
     model_config = preflight(cfg, info.sharding, info.world_size, tokenizer)  # one error lists every problem
+    check_plan_fits(cfg, info, accelerator, say)  # CUDA: a run whose planned peak cannot fit stops here
     W = info.world_size
     global_batch = cfg.global_batch(W)
     # Data is opened before the model: a missing file fails in seconds, not after a model load.

@@ -15,9 +15,11 @@ import torch.multiprocessing as mp
 from lmpretrain.config import load_config
 from lmpretrain.model.build import build_model_config
 from lmpretrain.observe.flops import counted_flops_per_token
-from lmpretrain.plan import load_gpu, make_plan, read_launch
 from lmpretrain.plan.__main__ import main
-from lmpretrain.plan.launch import Launch
+from lmpretrain.plan.hardware import load_gpu
+from lmpretrain.plan.launch import Launch, read_launch
+from lmpretrain.plan.planner import make_plan
+from lmpretrain.plan.preflight import verdict
 from lmpretrain.plan.simulate import simulate
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -144,3 +146,13 @@ def test_shipped_gpu_configs_fit_their_hardware(name):
     plan = make_plan(_cfg(name), launch, load_gpu(gpu), memory_fraction=0.9)
     assert plan.step.total_peak <= 0.9 * plan.gpu.memory_bytes, (name, plan.step.total_peak)
     assert plan.max_micro_batch >= plan.cfg.train.micro_batch_size
+
+
+def test_cuda_preflight_verdict_names_the_micro_batch_that_fits():
+    """The pre-flight's refusal (CUDA only, so shown here on a plan's numbers): a peak over the device's
+    memory stops the run with the split that keeps the global batch."""
+    cfg = _cfg("llama-1b.yaml")  # micro 8 x accum 8
+    plan = {"per_rank_bytes": {"total_peak": 90 * 2**30}, "max_micro_batch": 5}
+    message = verdict(plan, 80 * 2**30, cfg)
+    assert "90.0 GiB" in message and "--train.micro_batch_size=4 --train.grad_accum_steps=16" in message
+    assert verdict({**plan, "per_rank_bytes": {"total_peak": 70 * 2**30}}, 80 * 2**30, cfg) is None

@@ -204,6 +204,10 @@ class TrainConfig:
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"
     """none | tensorwise | rowwise: train the blocks' large Linear layers in float8 through torchao
     (CUDA compute capability >= 8.9, train.compile, pip install -e .[gpu]; the rule in docs/gpu.md)."""
+    preflight_plan: bool = True
+    """CUDA only: before the model is built, plan the run on this GPU (python -m lmpretrain.plan, a CPU
+    subprocess of a minute or so) and stop, naming the micro-batch that fits, if its peak memory exceeds the
+    device's (docs/planning.md); false skips it. CPU runs never plan."""
     profile_steps: list[int] | None = None
     """[start, end]: a torch.profiler trace of steps start..end (Chrome/Perfetto JSON) and on CUDA a
     memory snapshot in <output_dir>/profile/; null = off. A CUDA out-of-memory writes a snapshot too."""

@@ -7,10 +7,7 @@
 fake process group, memory from torch's MemTracker/FSDPMemTracker, FLOPs from FlopCounterMode, bytes per
 collective from a CommDebugMode), times it on a roofline (roofline.py) against a GPU of the table
 (gpus.yaml) and finds the largest micro-batch that fits. docs/planning.md shows the plans.
+
+The pieces live in their modules (planner, simulate, roofline, hardware, launch, collectives); this
+package imports none of them, so the recipe's CUDA pre-flight (preflight.py) costs nothing on the CPU.
 """
-
-from lmpretrain.plan.hardware import GPU, PlanError, load_gpu
-from lmpretrain.plan.launch import Launch, read_launch
-from lmpretrain.plan.planner import Plan, format_plan, make_plan
-
-__all__ = ["GPU", "Launch", "Plan", "PlanError", "format_plan", "load_gpu", "make_plan", "read_launch"]

@@ -10,7 +10,9 @@ from pathlib import Path
 
 from lmpretrain.config import load_config
 from lmpretrain.errors import UserError
-from lmpretrain.plan import format_plan, load_gpu, make_plan, read_launch
+from lmpretrain.plan.hardware import load_gpu
+from lmpretrain.plan.launch import read_launch
+from lmpretrain.plan.planner import format_plan, make_plan
 
 
 def main(argv: list[str]) -> int:

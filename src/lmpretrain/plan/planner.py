@@ -78,10 +78,13 @@ def check_config(cfg: Config, launch: Launch) -> None:
 
 
 def largest_micro_batch(step: Step, micro_batch: int, budget: float) -> int:
-    """The largest micro-batch whose peak fits `budget` bytes: activations and temporaries scale with the rows
-    of a micro-batch, the rest (parameters, gradients, optimizer state, gathered weights) does not."""
-    per_row = (step.activations_peak + max(0, step.buffers)) / micro_batch
-    fixed = step.total_peak - per_row * micro_batch
+    """The largest micro-batch whose peak fits `budget` bytes: a micro-batch's activations and temporaries
+    scale with its rows; parameters, gradients (also unsharded ones kept between micro-batches), gathered
+    weights, optimizer state and the optimizer step's own peak do not."""
+    if step.step_peak > budget:
+        return 0
+    per_row = step.row_bytes / micro_batch
+    fixed = step.micro_batch_peak - step.row_bytes
     return max(0, int((budget - fixed) // per_row)) if per_row > 0 else micro_batch
 
 

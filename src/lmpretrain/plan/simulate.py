@@ -52,6 +52,9 @@ class Step:
     comm: dict[str, float]  # kind -> bytes received per step (muon: the optimizer step's)
     muon_comm: dict[str, float] = field(default_factory=dict)  # Muon's bytes by kind
     unsharded_param_bytes: int = 0  # what the forward reads (the HBM estimate)
+    micro_batch_peak: int = 0  # the peak during forward/backward, and of it what grows with the rows
+    row_bytes: int = 0  # (activations and temporaries)
+    step_peak: int = 0  # the peak during the optimizer step
 
 
 class _FSDPTracker(FSDPMemTracker):
@@ -272,6 +275,9 @@ def simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool 
         comm=comm,
         muon_comm=muon_comm,
         unsharded_param_bytes=unsharded,
+        micro_batch_peak=micro_batches,
+        row_bytes=activations + peak.get("Temp", 0),
+        step_peak=in_step,
     )
     return wrap_arithmetic(step_bytes, launch, cfg)
 

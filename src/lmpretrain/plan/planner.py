@@ -165,6 +165,8 @@ def format_plan(plan: Plan) -> str:
         f"  buffers         {_gb(s.buffers)}  (gathered weights/grads, collective and DDP buckets, temporaries)",
         f"  total peak      {_gb(s.total_peak)}  vs {plan.memory_fraction:g} x {gpu.memory_gib:g} GiB = "
         f"{_gb(budget).strip()}: {'fits' if s.total_peak <= budget else 'DOES NOT FIT'}",
+        f"  of which: peak during the micro-batches {_gb(s.micro_batch_peak).strip()}, during the optimizer "
+        f"step {_gb(s.step_peak).strip()}",
         "communication per step, bytes received per rank:",
     ]
     for kind, value in s.comm.items():

@@ -107,6 +107,8 @@ class LiveBytes(TorchDispatchMode):
         if any(t == DTensor for t in types):  # count the local tensors DTensor's ops create
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):  # in place or a view: nothing new
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()

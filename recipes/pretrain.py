@@ -60,6 +60,7 @@ from lmpretrain.observe import (
     step_metrics,
     wandb_log_with,
 )
+from lmpretrain.plan.preflight import check_plan_fits
 from lmpretrain.preflight import preflight
 from lmpretrain.progress import step_bar
 from lmpretrain.run import (
@@ -147,6 +148,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     import_model_modules(cfg.model)  # a fork's own model classes register with the Auto classes
     model_config = preflight(cfg, info.sharding, info.world_size, tokenizer)  # one error lists every problem
+    check_plan_fits(cfg, info, accelerator, say)  # CUDA: a run whose planned peak cannot fit stops here
     W = info.world_size
     ramp = BatchRamp.from_config(cfg.train, cfg.global_batch(W), cfg.data.seq_len)  # blocks of each step
     # Data is opened before the model: a missing file fails in seconds, not after a model load.

@@ -19,6 +19,7 @@ EXPECTED_PARAMS = {  # order of magnitude each recipe promises in its name/comme
     "wsd-masked": (1e6, 1e7),
     "gpt2-124m": (1.2e8, 1.3e8),
     "llama-1b": (1.0e9, 1.4e9),
+    "llama-8b": (7.9e9, 8.1e9),  # Llama-3.1-8B: 8.03B
 }
 
 

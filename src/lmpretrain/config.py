@@ -246,6 +246,10 @@ class TrainConfig:
     blocks), then micro_batch_size x grad_accum_steps x world size; [] = the constant batch."""
     batch_ramp_lr: Literal["sqrt", "linear", "constant"] = "sqrt"
     """The lr during a ramp stage: the schedule's x (B / final batch)^(1/2 | 1 | 0)."""
+    preflight_plan: bool = True
+    """CUDA only: before the model is built, plan the run on this GPU (python -m lmpretrain.plan, a CPU
+    subprocess of a minute or so) and stop, naming the micro-batch that fits, if its peak memory exceeds the
+    device's (docs/planning.md); false skips it. CPU runs never plan."""
     profile_steps: list[int] | None = None
     """[start, end]: a torch.profiler trace of steps start..end (Chrome/Perfetto JSON) and on CUDA a
     memory snapshot in <output_dir>/profile/; null = off. A CUDA out-of-memory writes a snapshot too."""

@@ -1,0 +1,202 @@
+"""A plan: the config checked as the recipe's pre-flight checks it, one simulated step, the roofline, the
+largest micro-batch that fits, as a printed table and as the JSON of `--json`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lmpretrain.config import Config, config_problems
+from lmpretrain.errors import ConfigError
+from lmpretrain.model.build import build_model_config
+from lmpretrain.observe.flops import flops_per_token
+from lmpretrain.plan.hardware import GPU, PlanError
+from lmpretrain.plan.launch import Launch
+from lmpretrain.plan.roofline import OVERLAP, Timing, step_time
+from lmpretrain.plan.simulate import Step, simulate
+from lmpretrain.preflight import backend_problems
+
+# Kernels that cannot run on this CPU; sdpa stands in (FlashAttention-class memory: no S x S scores kept).
+_STAND_INS = {"flash_attention_2": "sdpa", "flex_attention": "sdpa"}
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    launch: Launch
+    gpu: GPU
+    memory_fraction: float
+    step: Step
+    timing: Timing
+    model_flops_per_token: float
+    max_micro_batch: int
+    split: tuple[int, int] | None  # (micro_batch_size, grad_accum_steps) keeping the global batch
+    notes: list[str]
+
+    @property
+    def tokens_per_step_per_gpu(self) -> int:
+        t = self.cfg.train
+        return t.micro_batch_size * t.grad_accum_steps * self.cfg.data.seq_len
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step_per_gpu / self.timing.step_s
+
+    @property
+    def mfu(self) -> float:
+        fp8 = self.cfg.train.fp8 != "none"
+        return self.tokens_per_s_per_gpu * self.model_flops_per_token / self.gpu.peak_flops(fp8)
+
+    def to_json(self) -> dict:
+        s = self.step
+        return {
+            "world_size": self.launch.num_processes,
+            "gpu": self.gpu.key,
+            "per_rank_bytes": {
+                "params": s.params,
+                "grads": s.grads,
+                "optimizer": s.optimizer,
+                "activations_peak": s.activations_peak,
+                "buffers": s.buffers,
+                "total_peak": s.total_peak,
+            },
+            "comm_bytes_per_step": {k: round(v) for k, v in s.comm.items()},
+            "flops_per_step": dict(s.flops),
+            "step_time_s": self.timing.step_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "max_micro_batch": self.max_micro_batch,
+        }
+
+
+def check_config(cfg: Config, launch: Launch) -> None:
+    """The recipe's own rules for this world size and backend (batch arithmetic, streams per rank, Muon
+    under DeepSpeed, ...): one ConfigError naming each, exit 2."""
+    problems = config_problems(cfg, launch.num_processes) + backend_problems(cfg, launch.sharding)
+    if problems:
+        raise ConfigError(problems, source=f"{cfg.config_path} at {launch.num_processes} processes")
+
+
+def largest_micro_batch(step: Step, micro_batch: int, budget: float) -> int:
+    """The largest micro-batch whose peak fits `budget` bytes: a micro-batch's activations and temporaries
+    scale with its rows; parameters, gradients (also unsharded ones kept between micro-batches), gathered
+    weights, optimizer state and the optimizer step's own peak do not."""
+    if step.step_peak > budget:
+        return 0
+    per_row = step.row_bytes / micro_batch
+    fixed = step.micro_batch_peak - step.row_bytes
+    return max(0, int((budget - fixed) // per_row)) if per_row > 0 else micro_batch
+
+
+def batch_split(rows_per_rank: int, max_micro: int) -> tuple[int, int] | None:
+    """The largest micro-batch <= max_micro that divides this rank's rows per step, and its accumulation."""
+    for micro in range(min(max_micro, rows_per_rank), 0, -1):
+        if rows_per_rank % micro == 0:
+            return micro, rows_per_rank // micro
+    return None
+
+
+def make_plan(cfg: Config, launch: Launch, gpu: GPU, memory_fraction: float = 0.9) -> Plan:
+    if not 0 < memory_fraction <= 1:
+        raise PlanError(f"--memory_fraction={memory_fraction} must be in (0, 1]")
+    check_config(cfg, launch)
+    notes = []
+    kernel = cfg.model.attn_implementation
+    if kernel in _STAND_INS:
+        notes.append(
+            f"attention {kernel} simulated as {_STAND_INS[kernel]} (same memory class; this CPU runs no {kernel})"
+        )
+        cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, attn_implementation=_STAND_INS[kernel])
+        )
+    if cfg.train.compile:
+        notes.append(
+            "train.compile: simulated eager (compile's fusions save some activation memory the plan does not see)"
+        )
+    if cfg.train.fp8 != "none":
+        notes.append(f"train.fp8={cfg.train.fp8}: bytes simulated in bf16; compute timed at the fp8 peak")
+    if cfg.train.loss_impl == "liger":
+        notes.append("train.loss_impl=liger simulated as chunked (the same never-whole logits)")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_impl="chunked"))
+    model_config = build_model_config(cfg.model)  # no tokenizer: the vocabulary is the model config's
+    step = simulate(cfg, model_config, launch, cfg.train.micro_batch_size)
+    timing = step_time(step, gpu, launch.num_processes, cfg.train.grad_accum_steps, cfg.train.fp8 != "none")
+    per_token, _ = flops_per_token(
+        model_config, cfg.data.seq_len
+    )  # the recipe's MFU basis (observe/flops.py)
+    budget = memory_fraction * gpu.memory_bytes
+    max_micro = largest_micro_batch(step, cfg.train.micro_batch_size, budget)
+    rows = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
+    return Plan(
+        cfg,
+        launch,
+        gpu,
+        memory_fraction,
+        step,
+        timing,
+        per_token or 0.0,
+        max_micro,
+        batch_split(rows, max_micro),
+        notes,
+    )
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:8.2f} GB" if abs(n) >= 1e8 else f"{n / 1e6:8.2f} MB"
+
+
+def format_plan(plan: Plan) -> str:
+    s, t, cfg, launch, gpu = plan.step, plan.timing, plan.cfg, plan.launch, plan.gpu
+    budget = plan.memory_fraction * gpu.memory_bytes
+    tr = cfg.train
+    lines = [
+        f"plan: {cfg.config_path} on {launch.num_processes} x {gpu.key} ({gpu.name}), {launch.num_machines} "
+        f"machine(s), wrapping {launch.wrapping}"
+        + (f" (reshard_after_forward={launch.reshard_after_forward})" if launch.wrapping == "fsdp2" else ""),
+        f"  step: micro {tr.micro_batch_size} x accum {tr.grad_accum_steps} x {launch.num_processes} ranks x "
+        f"{cfg.data.seq_len} tokens = {cfg.global_batch(launch.num_processes) * cfg.data.seq_len:,} tokens; "
+        f"precision {tr.precision}, optimizer {cfg.optim.name}, activation checkpointing "
+        f"{'on' if tr.activation_checkpointing else 'off'}, loss {tr.loss_impl}",
+        "memory per rank (rank 0 of the fake process group; torch MemTracker categories at the peak):",
+        f"  params          {_gb(s.params)}",
+        f"  grads           {_gb(s.grads)}",
+        f"  optimizer       {_gb(s.optimizer)}",
+        f"  activations     {_gb(s.activations_peak)}  (at the peak)",
+        f"  buffers         {_gb(s.buffers)}  (gathered weights/grads, collective and DDP buckets, temporaries)",
+        f"  total peak      {_gb(s.total_peak)}  vs {plan.memory_fraction:g} x {gpu.memory_gib:g} GiB = "
+        f"{_gb(budget).strip()}: {'fits' if s.total_peak <= budget else 'DOES NOT FIT'}",
+        f"  of which: peak during the micro-batches {_gb(s.micro_batch_peak).strip()}, during the optimizer "
+        f"step {_gb(s.step_peak).strip()}",
+        "communication per step, bytes received per rank:",
+    ]
+    for kind, value in s.comm.items():
+        if kind != "muon" and value:
+            lines.append(f"  {kind:15} {_gb(value)}  ({t.comm_s.get(kind, 0) * 1e3:.1f} ms)")
+    if cfg.optim.name == "muon":
+        kinds = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in s.muon_comm.items() if v) or "none"
+        lines.append(
+            f"  muon            {_gb(s.comm['muon'])}  ({t.comm_s.get('muon', 0) * 1e3:.1f} ms; {kinds})"
+        )
+    f = s.flops
+    lines += [
+        "FLOPs per step per rank (torch FlopCounterMode, executed: recomputation included):",
+        f"  forward {f['forward']:.4g}  backward {f['backward']:.4g}  optimizer {f['optimizer']:.4g}"
+        " (Newton-Schulz matmuls; AdamW's elementwise work is not counted)",
+        f"roofline ({gpu.key}): compute {t.compute_s * 1e3:.1f} ms, HBM {t.hbm_s * 1e3:.1f} ms, "
+        f"collectives at {t.link}",
+        f"  overlap: {OVERLAP}; exposed {t.exposed_comm_s * 1e3:.1f} ms",
+        f"  step {t.step_s:.3f} s, {plan.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {plan.mfu:.1%} "
+        f"(model FLOPs {plan.model_flops_per_token:.4g}/token as observe/flops.py counts them)",
+        f"largest micro-batch within {plan.memory_fraction:g} of {gpu.memory_gib:g} GiB: {plan.max_micro_batch}",
+    ]
+    if plan.split:
+        lines.append(
+            f"  keeping the global batch: --train.micro_batch_size={plan.split[0]} "
+            f"--train.grad_accum_steps={plan.split[1]}"
+        )
+    else:
+        lines.append(
+            "  no micro-batch fits: shard (configs/accelerate/fsdp.yaml), checkpoint activations or shorten seq_len"
+        )
+    lines += [f"  note: {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,316 @@
+"""One optimizer step of a config as rank 0 of a world of any size, without the GPUs or the memory.
+
+The model is built as the recipe builds it (model/build.py, the loss inside its forward, the speed
+switches of model/speed.py), under torch's FakeTensorMode (tensors with shapes, dtypes and storages but no
+data) and a fake process group of `world` ranks (collectives that move nothing, so one process is rank 0
+of 1,024). It is wrapped as the launch says: FSDP2 by accelerate's own `fsdp2_prepare_model` (the same
+units and MixedPrecisionPolicy the recipe gets); DDP and DeepSpeed ZeRO-1/2 run unwrapped, their buckets,
+partitions and all-reduce added as arithmetic (`wrap_arithmetic`). Then every kind of micro-batch the step
+has runs forward and backward (the first K-1 without gradient sync, the last with it: the others repeat the
+first), then clipping and the optimizer step, under torch's MemTracker / FSDPMemTracker (memory by
+category), FlopCounterMode and CollectiveBytes (collectives/bytes). With `fake=False` the same step runs on
+real tensors, which is what the tests compare against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from lmpretrain.model.build import build_model
+from lmpretrain.model.objective import LMObjective, install_loss_forward, weighted_sum
+from lmpretrain.model.speed import enable_activation_checkpointing, fuse_gelu_tanh
+from lmpretrain.plan.collectives import KINDS, CollectiveBytes
+from lmpretrain.plan.launch import Launch
+from lmpretrain.update.optim import build_optimizer
+
+PRECISIONS = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Step:
+    """What one optimizer step costs rank 0: bytes, FLOPs (executed, recomputation included) and comm."""
+
+    params: int  # bytes this rank holds of each kind, between steps
+    grads: int
+    optimizer: int
+    activations_peak: int
+    buffers: int  # at the peak: unsharded parameters/gradients, all-gather/reduce-scatter and DDP buckets, temporaries
+    total_peak: int
+    flops: dict[str, float]  # forward, backward, optimizer
+    comm: dict[str, float]  # kind -> bytes received per step (muon: the optimizer step's)
+    muon_comm: dict[str, float] = field(default_factory=dict)  # Muon's bytes by kind
+    unsharded_param_bytes: int = 0  # what the forward reads (the HBM estimate)
+    micro_batch_peak: int = 0  # the peak during forward/backward, and of it what grows with the rows
+    row_bytes: int = 0  # (activations and temporaries)
+    step_peak: int = 0  # the peak during the optimizer step
+
+
+class _FSDPTracker(FSDPMemTracker):
+    """FSDPMemTracker for a unit whose forward never runs: the tied output embedding of the chunked loss,
+    whose weight the loss reads directly (torch's tracker meets it first in backward and has no record)."""
+
+    def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+        inner = super()._fsdp_param_group_pre_backward(fsdp_mod, orig)
+
+        def seeded(*args, **kwargs):
+            if fsdp_mod not in self.memory_tracking:
+                self.memory_tracking[fsdp_mod] = _FSDPModMemStats(type(fsdp_mod).__name__)
+            return inner(*args, **kwargs)
+
+        return seeded
+
+
+def _cpu_flash(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# sdpa on the CPU runs its own FlashAttention kernel, which torch's FLOP counter has no formula for; it is the
+# CUDA flash kernel's arithmetic (the same formulas torch uses for that one).
+_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+}
+
+
+def _flop_counter() -> FlopCounterMode:
+    return FlopCounterMode(display=False, custom_mapping=_ATTENTION_FLOPS)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of tensors created inside it that were alive at once (`peak`), and those still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._storages: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.live -= self._storages.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t == DTensor for t in types):  # count the local tensors DTensor's ops create
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):  # in place or a view: nothing new
+            return out
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self._storages:
+                    self._storages[key] = storage.nbytes()
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def fake_process_group(world: int) -> None:
+    """This process as rank 0 of `world` ranks of torch's fake backend, unless a group of that size exists."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() == world:  # this world's fake group, or real processes (the tests' gloo)
+            return
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def _fsdp2(model, cfg, launch: Launch, world: int):
+    """Shard as the recipe's accelerate does: its fsdp2_prepare_model with the recipe's plugin settings."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lmpretrain.model.sharded_precision import fsdp_policy
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        reshard_after_forward=launch.reshard_after_forward,
+        auto_wrap_policy="transformer_based_wrap",
+        mixed_precision_policy=fsdp_policy(cfg.train),
+        cpu_ram_efficient_loading=False,  # loading is not part of a step
+    )
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():  # the mesh holds real rank numbers
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    stand_in = types.SimpleNamespace(  # the attributes fsdp2_prepare_model reads from an Accelerator
+        state=types.SimpleNamespace(fsdp_plugin=plugin),
+        torch_device_mesh=mesh,
+        parallelism_config=types.SimpleNamespace(fsdp_dim_names=["dp_shard"]),
+        mixed_precision="no",  # the recipe's: it owns precision (model/sharded_precision.py)
+        is_main_process=True,
+        device=torch.device("cpu"),
+    )
+    return fsdp2_prepare_model(stand_in, model)
+
+
+@contextlib.contextmanager
+def _gradient_sync(model, launch: Launch, sync: bool):
+    """accelerate.accumulate's no-sync for the micro-batches before the last (FSDP2: unsharded grads kept)."""
+    if launch.wrapping == "fsdp2":
+        model.set_requires_gradient_sync(sync)
+    yield
+
+
+def simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool = True) -> Step:
+    """One step of `cfg` at `micro_batch` rows per micro-batch, as rank 0 of launch.num_processes."""
+    world = launch.num_processes
+    fake_process_group(world)
+    mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
+    deepspeed = launch.wrapping.startswith("zero")
+    dtype = PRECISIONS[cfg.train.precision]
+    with mode:
+        model = build_model(model_config, None, cfg.train.param_dtype)
+        install_loss_forward(model)
+        fuse_gelu_tanh(model)
+        if cfg.train.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        if deepspeed and dtype is not None:  # the engine trains 16-bit weights (fp32 masters: arithmetic)
+            model.to(dtype)
+        # Built before wrapping, as in the recipe (Muon finds the blocks by their class names, which FSDP2
+        # changes); then pointed at the sharded parameters, as accelerate's prepare does.
+        optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
+        if launch.wrapping == "fsdp2":
+            names = {id(p): n for n, p in model.named_parameters()}
+            groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+            model = _fsdp2(model, cfg, launch, world)
+            sharded = dict(model.named_parameters())
+            for group, group_names in zip(optimizer.param_groups, groups, strict=True):
+                group["params"][:] = [sharded[n] for n in group_names]
+        objective = LMObjective.from_config(cfg, model_config.eos_token_id)
+        ids = torch.randint(0, model_config.vocab_size, (micro_batch, cfg.data.seq_len))
+        if launch.wrapping == "fsdp2":
+            tracker = _FSDPTracker(model, optimizer)
+            tracker.track_inputs((ids,))
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer, ids)
+        accum = cfg.train.grad_accum_steps
+        kinds = [False, True] if accum > 1 else [True]  # (sync?) the first K-1 repeat the first
+        flops = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        comm = {kind: 0.0 for kind in KINDS}
+        muon_comm: dict[str, float] = {}
+        autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype is not None and not deepspeed)
+        grads = 0
+        with tracker:
+            for sync in kinds:
+                repeats = 1 if sync else accum - 1
+                if not isinstance(tracker, FSDPMemTracker):  # its module stats are per call; the peak stays
+                    tracker.reset_mod_stats()
+                with _gradient_sync(model, launch, sync), CollectiveBytes() as counted:
+                    with _flop_counter() as forward, autocast:
+                        terms = objective(model, ids, ids)
+                    with _flop_counter() as backward:
+                        weighted_sum(terms).backward()
+                flops["forward"] += repeats * forward.get_total_flops()
+                flops["backward"] += repeats * backward.get_total_flops()
+                for kind, value in counted.received.items():
+                    comm[kind] += repeats * value
+        with CollectiveBytes() as counted:
+            if cfg.train.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+        for kind, value in counted.received.items():
+            comm[kind] += value
+        grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+        # The step is measured apart (LiveBytes): under FakeTensorMode torch's FSDPMemTracker books far more
+        # optimizer state during the step than the step keeps (3x on an FSDP2 Llama, not so on real tensors).
+        with CollectiveBytes() as counted, _flop_counter() as step, LiveBytes() as step_memory:
+            optimizer.step()
+        flops["optimizer"] = step.get_total_flops()
+        muon_comm = dict(counted.received)
+        if cfg.optim.name != "muon":  # AdamW's step: no collectives of its own (none under FSDP2)
+            for kind, value in muon_comm.items():
+                comm[kind] += value
+            muon_comm = {}
+        optimizer.zero_grad(set_to_none=True)
+        comm["muon"] = sum(muon_comm.values())
+        params = sum(_nbytes(p) for p in {id(p): p for p in model.parameters()}.values())
+        opt_state = sum(
+            _nbytes(t) for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)
+        )
+        unique = {id(p): p for p in model.parameters()}.values()
+        # what each forward/backward reads: every parameter whole (DTensor.numel is the global one), in compute dtype
+        unsharded = sum(p.numel() * (dtype.itemsize if dtype else p.element_size()) for p in unique)
+    peak = max(tracker.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"])
+    activations = peak.get("Activation", 0) + peak.get("Inputs", 0)
+    # From the second step on the optimizer state is there during every forward and backward too.
+    micro_batches = peak["Total"] - peak.get("OptState", peak.get("Optstate", 0)) + opt_state
+    in_step = (
+        params + grads + step_memory.peak
+    )  # the step's new bytes: its first state, temporaries, whole matrices
+    total = max(micro_batches, in_step)
+    transient = ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter", "Temp", "Buffer")
+    buffers = (
+        sum(peak.get(name, 0) for name in transient)
+        if micro_batches >= in_step
+        else in_step - params - grads - opt_state
+    )
+    step_bytes = Step(
+        params=params,
+        grads=grads,
+        optimizer=opt_state,
+        activations_peak=activations,
+        buffers=buffers,
+        total_peak=total,
+        flops=flops,
+        comm=comm,
+        muon_comm=muon_comm,
+        unsharded_param_bytes=unsharded,
+        micro_batch_peak=micro_batches,
+        row_bytes=activations + peak.get("Temp", 0),
+        step_peak=in_step,
+    )
+    return wrap_arithmetic(step_bytes, launch, cfg)
+
+
+def wrap_arithmetic(step: Step, launch: Launch, cfg) -> Step:
+    """DDP and DeepSpeed ZeRO-1/2, which the simulation runs unwrapped, as arithmetic on its bytes.
+
+    DDP (torch's defaults, as accelerate passes them: gradient_as_bucket_view=False): gradient buckets as large
+    as the gradients, all-reduced once per step. ZeRO (stage 1: optimizer state partitioned, stage 2: gradients
+    too, DeepSpeed's fp32 master weights counted as optimizer state): partitions are 1/W of the whole; the
+    gradients are reduce-scattered (stage 2) or all-reduced (stage 1) and the updated weights all-gathered.
+    """
+    world = launch.num_processes
+    if launch.wrapping == "ddp":
+        step.buffers += step.grads
+        step.total_peak += step.grads
+        step.comm["all_reduce"] += 2 * step.grads * (world - 1) / world
+    elif launch.wrapping.startswith("zero"):
+        masters = (
+            step.params * 2 if cfg.train.precision in ("bf16", "fp16") else 0
+        )  # fp32 copy of 16-bit weights
+        whole_opt = step.optimizer + masters
+        step.optimizer = -(-whole_opt // world)
+        saved = whole_opt - step.optimizer
+        fp32_grads = step.grads * (2 if masters else 1)
+        if launch.wrapping == "zero2":
+            saved += step.grads - -(-fp32_grads // world)
+            step.grads = -(-fp32_grads // world)
+            step.comm["reduce_scatter"] += step.grads * (world - 1)
+        else:
+            step.comm["all_reduce"] += 2 * step.grads * (world - 1) / world
+        step.comm["all_gather"] += step.params * (world - 1) / world
+        step.total_peak -= saved
+    return step

@@ -1,0 +1,162 @@
+"""The planner (python -m lmpretrain.plan) against the real thing: the same step on real tensors, real gloo
+processes, the recipe's FLOP count, and the shipped GPU configs on their own hardware."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import socket
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lmpretrain.config import load_config
+from lmpretrain.model.build import build_model_config
+from lmpretrain.observe.flops import counted_flops_per_token
+from lmpretrain.plan.__main__ import main
+from lmpretrain.plan.hardware import load_gpu
+from lmpretrain.plan.launch import Launch, read_launch
+from lmpretrain.plan.planner import make_plan
+from lmpretrain.plan.preflight import verdict
+from lmpretrain.plan.simulate import simulate
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+
+def _cfg(name: str, *overrides: str):
+    return load_config([str(CONFIGS / name), *overrides])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpu", "h1000"], "unknown GPU; known: h100"),
+        (["--config_file", "configs/accelerate/nope.yaml"], "not a file"),
+        (["--num_processes", "3"], "must be a multiple of the world size 3"),
+    ],
+)
+def test_bad_input_is_one_message_and_exit_2(args, message, capsys):
+    assert main([str(CONFIGS / "smoke.yaml"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_flops_equal_the_recipes_count():
+    """Eager attention and the full loss: forward + backward are the FLOPs observe/flops.py counts."""
+    cfg = _cfg("smoke.yaml", "--model.attn_implementation=eager")
+    step = simulate(cfg, build_model_config(cfg.model), Launch("none", 1, 1), cfg.train.micro_batch_size)
+    tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
+    expected = counted_flops_per_token(build_model_config(cfg.model), cfg.data.seq_len) * tokens
+    assert step.flops["forward"] + step.flops["backward"] == expected
+    assert step.flops["forward"] * 3 == expected  # the backward is twice the forward
+
+
+@pytest.mark.parametrize(
+    "config, checkpointing",
+    [
+        ("smoke.yaml", False),
+        ("smoke.yaml", True),
+        pytest.param("default.yaml", False, marks=pytest.mark.slow),
+        pytest.param("default.yaml", True, marks=pytest.mark.slow),
+    ],
+)
+def test_fake_step_matches_the_real_step(config, checkpointing):
+    """The fake-tensor step against the same step on real tensors measured by torch's real-mode MemTracker:
+    the steady bytes exactly, the activation peak within 15%."""
+    cfg = _cfg(config, f"--train.activation_checkpointing={str(checkpointing).lower()}")
+    model_config = build_model_config(cfg.model)
+    launch = Launch("none", 1, 1)
+    fake = simulate(cfg, model_config, launch, cfg.train.micro_batch_size, fake=True)
+    real = simulate(cfg, model_config, launch, cfg.train.micro_batch_size, fake=False)
+    assert (fake.params, fake.grads, fake.optimizer) == (real.params, real.grads, real.optimizer)
+    # Under activation checkpointing torch's MemTracker splits the recomputed tensors between Activation and
+    # Temp differently on fake and real tensors (its documented limitation): there the micro-batch's whole
+    # memory (activations + temporaries at the peak) is compared; without it the activations alone.
+    if checkpointing:
+        fake_act, real_act = fake.row_bytes, real.row_bytes
+    else:
+        fake_act, real_act = fake.activations_peak, real.activations_peak
+    assert abs(fake_act - real_act) <= 0.15 * real_act
+    assert abs(fake.total_peak - real.total_peak) <= 0.15 * real.total_peak
+    assert fake.flops == real.flops
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _real_rank(rank, port, overrides, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        cfg = _cfg("smoke.yaml", *overrides)
+        step = simulate(
+            cfg, build_model_config(cfg.model), Launch("fsdp2", 2, 1), cfg.train.micro_batch_size, fake=False
+        )
+        out[rank] = dataclasses.asdict(step)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fsdp2_bytes_at_two_ranks_match_two_real_gloo_processes(optimizer):
+    """Rank 0 of a fake 2-rank group against rank 0 of two real gloo processes running the same sharded step
+    (FSDP2 by accelerate's fsdp2_prepare_model): parameter, gradient and optimizer bytes exactly, each
+    collective kind's bytes within 2%, Muon's own line included."""
+    overrides = [f"--optim.name={optimizer}"]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_real_rank, args=(_free_port(), overrides, out), nprocs=2, join=True)
+        real = dict(out[0])
+    cfg = _cfg("smoke.yaml", *overrides)
+    fake = dataclasses.asdict(simulate(cfg, build_model_config(cfg.model), Launch("fsdp2", 2, 1), 4))
+    for key in ("params", "grads", "optimizer"):
+        assert fake[key] == real[key], key
+    assert real["comm"]["all_gather"] > 0 and real["comm"]["reduce_scatter"] > 0
+    for kind, value in real["comm"].items():
+        assert abs(fake["comm"][kind] - value) <= 0.02 * value, kind
+    assert (fake["comm"]["muon"] > 0) == (optimizer == "muon")
+
+
+def _hardware(path: Path):
+    text = path.read_text()
+    found = re.search(r"^# hardware: (\w+) \(x(\d+)", text, re.M)
+    launch = re.search(r"--config_file (configs/accelerate/\S+\.yaml)", text)
+    return found and (found.group(1), int(found.group(2)), launch.group(1))
+
+
+GPU_CONFIGS = [p.name for p in sorted(CONFIGS.glob("*.yaml")) if _hardware(p)]
+# docs/planning.md, "Open finding": the planned optimizer step of llama-8b peaks above 80 GB.
+_OPEN = pytest.mark.xfail(reason="llama-8b's planned optimizer-step peak (docs/planning.md)", strict=True)
+
+
+def test_every_gpu_config_states_its_hardware():
+    assert {"gpt2-124m.yaml", "llama-1b.yaml", "llama-8b.yaml"} <= set(GPU_CONFIGS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=_OPEN) if n == "llama-8b.yaml" else n for n in GPU_CONFIGS]
+)
+def test_shipped_gpu_configs_fit_their_hardware(name):
+    """A config that would run out of memory on the hardware it names never ships."""
+    gpu, count, launch_file = _hardware(CONFIGS / name)
+    root = CONFIGS.parent
+    launch = read_launch(str(root / launch_file), count, max(1, count // 8))
+    plan = make_plan(_cfg(name), launch, load_gpu(gpu), memory_fraction=0.9)
+    assert plan.step.total_peak <= 0.9 * plan.gpu.memory_bytes, (name, plan.step.total_peak)
+    assert plan.max_micro_batch >= plan.cfg.train.micro_batch_size
+
+
+def test_cuda_preflight_verdict_names_the_micro_batch_that_fits():
+    """The pre-flight's refusal (CUDA only, so shown here on a plan's numbers): a peak over the device's
+    memory stops the run with the split that keeps the global batch."""
+    cfg = _cfg("llama-1b.yaml")  # micro 8 x accum 8
+    plan = {"per_rank_bytes": {"total_peak": 90 * 2**30}, "max_micro_batch": 5}
+    message = verdict(plan, 80 * 2**30, cfg)
+    assert "90.0 GiB" in message and "--train.micro_batch_size=4 --train.grad_accum_steps=16" in message
+    assert verdict({**plan, "per_rank_bytes": {"total_peak": 70 * 2**30}}, 80 * 2**30, cfg) is None

@@ -23,12 +23,12 @@ def test_provenance_outside_a_checkout(tmp_path):
     assert made["versions"]["torch"] and made["versions"]["transformers"]
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="needs the git command")
-def test_provenance_names_the_commit_and_whether_the_checkout_is_dirty(tmp_path):
+def committed_recipe(folder):
+    """A git checkout in `folder` whose one commit holds pretrain.py ("1"); returns (git command, path)."""
     git = [
         "git",
         "-C",
-        str(tmp_path),
+        str(folder),
         "-c",
         "user.name=t",
         "-c",
@@ -36,11 +36,17 @@ def test_provenance_names_the_commit_and_whether_the_checkout_is_dirty(tmp_path)
         "-c",
         "commit.gpgsign=false",
     ]
-    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    recipe = tmp_path / "pretrain.py"
+    subprocess.run(["git", "init", "-q", str(folder)], check=True)
+    recipe = folder / "pretrain.py"
     recipe.write_text("1\n")
     subprocess.run([*git, "add", "pretrain.py"], check=True)
     subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    return git, recipe
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs the git command")
+def test_provenance_names_the_commit_and_whether_the_checkout_is_dirty(tmp_path):
+    git, recipe = committed_recipe(tmp_path)
     head = subprocess.run(
         [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -56,22 +62,7 @@ def test_provenance_names_the_commit_and_whether_the_checkout_is_dirty(tmp_path)
 def test_a_forks_own_files_are_hashed_and_an_untracked_one_makes_the_checkout_dirty(tmp_path, monkeypatch):
     from lmpretrain.config import load_config
 
-    git = [
-        "git",
-        "-C",
-        str(tmp_path),
-        "-c",
-        "user.name=t",
-        "-c",
-        "user.email=t@t",
-        "-c",
-        "commit.gpgsign=false",
-    ]
-    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    recipe = tmp_path / "pretrain.py"
-    recipe.write_text("1\n")
-    subprocess.run([*git, "add", "pretrain.py"], check=True)
-    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    git, recipe = committed_recipe(tmp_path)
     assert provenance(recipe)["git_dirty"] is False
     model = tmp_path / "my_model.py"
     model.write_text("# a fork's architecture\n")  # untracked

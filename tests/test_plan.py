@@ -62,9 +62,11 @@ def test_flops_equal_the_recipes_count():
         pytest.param("default.yaml", True, marks=pytest.mark.slow),
     ],
 )
-def test_fake_step_matches_the_real_step(config, checkpointing):
+def test_fake_step_matches_the_real_step(config, checkpointing, one_thread):
     """The fake-tensor step against the same step on real tensors measured by torch's real-mode MemTracker:
-    the steady bytes exactly, the activation peak within 15%."""
+    the steady bytes exactly, the activation peak within 15%. On one thread: CPU attention's scratch memory
+    depends on the thread count, differently for fake and real tensors (default.yaml with checkpointing:
+    fake/real 0.97 on 1 thread, 1.12 on 2, 1.16 once in a loaded suite), so the count is fixed."""
     cfg = _cfg(config, f"--train.activation_checkpointing={str(checkpointing).lower()}")
     model_config = build_model_config(cfg.model)
     launch = Launch("none", 1, 1)

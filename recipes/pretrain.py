@@ -67,6 +67,7 @@ from lmpretrain.run import (
     LoopRNG,
     PreemptionHandler,
     StallWatch,
+    StragglerWatch,
     TrainState,
     check_fingerprint,
     check_replicas_identical,
@@ -259,6 +260,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     cleanup.push(lambda exc_type, *_: tracker.finish(exit_code=1 if exc_type else 0))
     state.wandb_run_id = tracker.run_id
     warnings = ConsoleWarnings(say, max_skipped=cfg.train.max_skipped_steps)
+    straggler = StragglerWatch(cfg.run.straggler_factor, W, say)  # names a rank the others wait for
 
     def save_checkpoint():
         meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, "eval_loss": state.eval_loss_now}
@@ -306,7 +308,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
             runtime.set_grad_accum(accelerator, len(batch.input_ids) // cfg.train.micro_batch_size)
         input_ids = batch.input_ids.to(accelerator.device, non_blocking=True)
         labels = make_labels(input_ids, tokenizer.eos_token_id if cfg.train.mask_cross_doc_targets else None)
-        host = {"stop": (preemption.received, "max"), **step_counters(batch)}  # combined over the ranks
+        host = {"stop": (preemption.received, "max"), **step_counters(batch), **straggler.host(t_data)}
         step = train_step(  # 2.-6. forward, backward, sync, clip, update
             model, optimizer, objective, input_ids, labels,
             accelerator=accelerator, precision=precision, guard=guard, max_norm=max_norm, host=host,
@@ -314,6 +316,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         state.skipped_steps += not step["stepped"]
         state.step += 1
         state.tokens_seen += batch.input_ids.numel() * W
+        straggler.observe(state.step, step["host"])  # takes its times out of the step's host numbers
         if ema and step["stepped"]:
             ema.update(state.step)
         # Too many skipped updates in a row raise TrainingDiverged.

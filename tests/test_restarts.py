@@ -64,6 +64,7 @@ def test_a_rank_killed_is_restarted_and_ends_as_the_straight_run(tmp_path, strai
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 13))  # a resume rewrites the rest
     assert rows[-1]["run/restarts"] == 1 and rows[0].get("run/restarts", 0) == 0
     assert_same_weights(killed, straight)
+    assert "straggler" not in straight.output  # ranks that load alike: no watchdog warning
 
 
 def test_a_stopped_rank_ends_the_collective_named_and_the_job_restarts(tmp_path, straight):

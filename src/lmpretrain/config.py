@@ -89,6 +89,10 @@ class RunConfig:
     collective_timeout_s: float = 1800.0
     """Seconds a collective waits for every rank: a rank that stops (hung, stopped, its node gone) makes
     the others fail after this long, naming it, instead of waiting forever (docs/cluster.md)."""
+    straggler_factor: float | None = 2.0
+    """Warn (rank 0's log, at most once per 100 steps) naming a rank whose batch load takes more than this
+    many times the other ranks' median, over the last 8 steps; the others wait for it every step.
+    null or 0 turns it off (docs/cluster.md)."""
     name: str | None = None
     """Run name in W&B; default: <config file stem>-<output_dir name>."""
     group: str | None = None
@@ -694,6 +698,8 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append("train.max_rollbacks must be >= 0")
     if not cfg.run.collective_timeout_s > 0:
         p.append("run.collective_timeout_s must be > 0")
+    if cfg.run.straggler_factor and not cfg.run.straggler_factor > 1:
+        p.append("run.straggler_factor must be > 1 (how many times slower than the others), or null/0 (off)")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append("optim.beta1 and optim.beta2 must be in [0, 1)")
     if o.name == "muon" and not (0 <= o.muon_momentum < 1 and o.muon_ns_steps >= 1 and o.muon_lr > 0):

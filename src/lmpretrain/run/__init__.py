@@ -10,12 +10,14 @@ from lmpretrain.run.rng import LoopRNG
 from lmpretrain.run.runlock import run_lock
 from lmpretrain.run.stall_watch import StallWatch
 from lmpretrain.run.step_readout import read_step
+from lmpretrain.run.straggler_watch import StragglerWatch
 from lmpretrain.run.train_state import TrainState
 
 __all__ = [
     "LoopRNG",
     "PreemptionHandler",
     "StallWatch",
+    "StragglerWatch",
     "TrainState",
     "check_fingerprint",
     "check_replicas_identical",

@@ -17,7 +17,8 @@ def read_step(accelerator, sums: dict[str, torch.Tensor], host: dict, n_targets,
     """Returns (term means over the global batch, the gradient norm, the host numbers combined).
 
     `sums`: name -> a device tensor [sum, count] over this rank's micro-batches; `host`: name ->
-    (value, "sum" | "min" | "max"), how the ranks' values combine; `n_targets`: the global target count.
+    (value, "sum" | "min" | "max" | "each"), how the ranks' values combine ("each": the list of every
+    rank's value, in rank order); `n_targets`: the global target count.
     """
     if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a replicated DTensor
         grad_norm = grad_norm.full_tensor()
@@ -38,7 +39,7 @@ def read_step(accelerator, sums: dict[str, torch.Tensor], host: dict, n_targets,
         )
     total = [sum(column) for column in zip(*per_rank, strict=True)]
     means = {name: total[2 * i] / max(total[2 * i + 1], 1) for i, name in enumerate(sums)}
-    combine = {"sum": sum, "min": min, "max": max}
+    combine = {"sum": sum, "min": min, "max": max, "each": list}
     shared = {
         name: combine[op](row[2 * len(sums) + i] for row in per_rank)
         for i, (name, (_, op)) in enumerate(host.items())

@@ -5,9 +5,10 @@ run, when it stops on a user error, ends on that error's message and exit code 2
 process, torch elastic's ChildFailedError summary for several (`--quiet` only covers the former). So
 the recipe hands its message over through torch elastic's error file (TORCHELASTIC_ERROR_FILE, which
 torch elastic sets for each rank, and this launcher for a single process) instead of printing it, and
-this launcher prints the first failed rank's message last. Any other failure keeps accelerate's
-traceback. Under plain `accelerate launch` with several processes the message shows in torch
-elastic's summary, as that rank's "traceback".
+this launcher prints the first failed rank's message last. So does accelerate's refusal of a coordinator
+port another process holds (`main_process_port` on machine 0 of several; one machine takes a free port
+instead, with a warning). Any other failure keeps accelerate's traceback. Under plain `accelerate launch`
+with several processes the message shows in torch elastic's summary, as that rank's "traceback".
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             launch_command(args)
             return
+        except ConnectionError as err:  # the first machine's coordinator port is taken (several machines)
+            message = f"error: {err}"
         except (subprocess.CalledProcessError, SystemExit):  # one process (SystemExit: with --quiet)
             message = _read_message(error_file)
             if message is None:

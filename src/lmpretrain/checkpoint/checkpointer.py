@@ -42,6 +42,7 @@ Every ``torch.load`` here uses ``weights_only=True``. DCP's reader (format ``sha
 unpickle their own metadata: resume only checkpoints you trust.
 """
 
+import errno
 import json
 import logging
 import math
@@ -543,9 +544,11 @@ class Checkpointer:
                 f"another rank failed to {what} in {self.dir}; nothing was saved "
                 f"and the previous checkpoints are intact"
             )
+        full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        fix = " (free space or raise the quota / file size limit, then resume with the same command)"
         err = CheckpointError(
             f"failed to {what} in {self.dir}: {type(error).__name__}: {error}; nothing "
-            f"was saved and the previous checkpoints are intact"
+            f"was saved and the previous checkpoints are intact{fix if full else ''}"
         )
         err.__cause__ = error
         return err

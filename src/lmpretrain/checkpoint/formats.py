@@ -71,9 +71,36 @@ def fsync_tree(path: Path) -> None:
     fsync_path(path)
 
 
+class _Writes:
+    """The file torch.save writes to, keeping the OSError of a failed write: torch swallows it and reports
+    an opaque "unexpected pos ... vs ..." RuntimeError instead of "No space left on device"."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        return self._kept(self.f.write, data)
+
+    def flush(self):
+        return self._kept(self.f.flush)
+
+    def _kept(self, fn, *args):
+        try:
+            return fn(*args)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+
 def torch_save_synced(obj, path: Path) -> None:
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        writes = _Writes(f)
+        try:
+            torch.save(obj, writes)
+        except RuntimeError as err:
+            if writes.error is None:
+                raise
+            raise OSError(writes.error.errno, writes.error.strerror, str(path)) from err
         f.flush()
         os.fsync(f.fileno())
 

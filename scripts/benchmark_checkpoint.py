@@ -3,7 +3,8 @@
 training stalls (sync vs async), with the recipe's own Checkpointer on a sharded model.
 
     accelerate launch --config_file configs/accelerate/cpu-fsdp.yaml scripts/benchmark_checkpoint.py \\
-        --format full|sharded [--async-save] [--hidden 768 --layers 8 --vocab 32000] [--json report.json]
+        --format full|sharded [--async-save] [--hidden 768 --layers 8 --vocab 32000] [--json report.json] \
+        [--load [--fresh]]
 
 A Llama of the given shape (float32) is sharded with FSDP2 as the recipe does and takes one AdamW step,
 so there are weights and moments to save; then it is saved ``--repeats`` times (fresh directories):
@@ -13,12 +14,16 @@ so there are weights and moments to save; then it is saved ``--repeats`` times (
 * stall: how long ``save()`` blocks the training loop; ``total``: until the checkpoint is committed.
   An async save is committed by ``poll()`` between the training steps that follow it, as in the recipe.
 Rank 0 prints one row per save and rank; other processes on the machine make the times noisy.
+``--load`` then loads the last save on every rank: the extra RSS at its peak and what stays after it (the
+allocator trimmed). Into the live model and stepped optimizer (a rollback's case), or with ``--fresh``
+into a newly built model and an optimizer without moments (a resume's case).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import shutil
@@ -106,7 +111,15 @@ def measure_load(accelerator, model, optimizer, out: Path) -> dict:
         ck.load(path, model=model, optimizer=optimizer, states={})
         total = time.perf_counter() - started
     ck.close()
-    return {"rank": accelerator.process_index, "extra_rss_bytes": peak.peak - before, "load_s": total}
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    kept = rss() - before
+    return {
+        "rank": accelerator.process_index,
+        "extra_rss_bytes": peak.peak - before,
+        "kept_rss_bytes": kept,
+        "load_s": total,
+    }
 
 
 def main() -> None:
@@ -118,6 +131,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--load", action="store_true", help="then measure loading the last save")
+    parser.add_argument("--fresh", action="store_true", help="load into a new model and optimizer (a resume)")
     parser.add_argument("--json", help="write the rows here (rank 0)")
     args = parser.parse_args()
     accelerator, info = setup(TrainConfig(micro_batch_size=1, grad_accum_steps=1))
@@ -130,9 +144,12 @@ def main() -> None:
         "vocab_size": args.vocab,
         "max_position_embeddings": 128,
     }
-    model = build_model(build_model_config(ModelConfig(type="llama", overrides=overrides)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = accelerator.prepare(model, optimizer)
+
+    def build():
+        model = build_model(build_model_config(ModelConfig(type="llama", overrides=overrides)))
+        return accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    model, optimizer = build()
     batch = torch.randint(0, args.vocab, (1, 128))
     train_step(model, optimizer, batch)
     params = sum(p.numel() for p in model.parameters())
@@ -144,6 +161,11 @@ def main() -> None:
         rows += gather_object(
             [measure(accelerator, model, optimizer, batch, args.format, args.async_save, root / str(i))]
         )
+    if args.load and args.fresh:  # as at a resume: the weights of a new model, no moments yet
+        del model, optimizer
+        accelerator.free_memory()
+        gc.collect()
+        model, optimizer = build()
     loads = gather_object([measure_load(accelerator, model, optimizer, root / str(i))]) if args.load else []
     if accelerator.is_main_process:
         shutil.rmtree(root, ignore_errors=True)
@@ -161,7 +183,8 @@ def main() -> None:
             )
         for r in loads:
             print(
-                f"load rank {r['rank']}: extra RSS {r['extra_rss_bytes'] / 2**20:,.0f} MiB, {r['load_s']:.2f} s"
+                f"load rank {r['rank']}{' (fresh)' if args.fresh else ''}: extra RSS {r['extra_rss_bytes'] / 2**20:,.0f} "
+                f"MiB at the peak, {r['kept_rss_bytes'] / 2**20:,.0f} MiB kept, {r['load_s']:.2f} s"
             )
         if args.json:
             Path(args.json).write_text(json.dumps({"params": params, "rows": rows, "loads": loads}, indent=2))

@@ -759,6 +759,14 @@ RANK_WORKER = textwrap.dedent("""
         result[name] = {"rng_ok": got == expected, "rng": expected, "streams": sorted(data.streams),
                         "same_after_a_step": all(torch.equal(a[k], b[k]) for k in a),
                         "dtensor": sharded_params, "latest": str(ck.latest())}
+        # into the live, stepped model and optimizer (a rollback's case: full loads broadcast in place)
+        rng3 = LoopRNG(0)
+        ck.load(path, model=m1, optimizer=o1, states={"rng": PerRank(rng3)})
+        rng3.start()
+        draws()  # as after the first load: the step's batch comes from the same RNG state
+        step(m1, o1)
+        a = get_model_state_dict(m1, options=full_sd)
+        result[name]["same_loaded_into_live"] = all(torch.equal(a[k], b[k]) for k in a)
         ck.close()
 
     # A save that fails on one rank only must raise on both, not hang, and leave nothing behind.
@@ -793,7 +801,10 @@ def test_two_ranks_save_and_get_back_their_own_rng_data_weights_and_moments(two_
         for name, case in r.items():
             if name == "failed":
                 continue
-            assert case["rng_ok"] and case["same_after_a_step"], (rank, name)
+            assert case["rng_ok"] and case["same_after_a_step"] and case["same_loaded_into_live"], (
+                rank,
+                name,
+            )
             assert case["streams"] == [0, 1, 2, 3], (rank, name)  # every rank's streams, merged
             assert case["dtensor"] == name.startswith("fsdp2"), (rank, name)
             assert case["latest"].endswith("step-00000001"), (rank, name)

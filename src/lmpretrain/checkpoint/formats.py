@@ -271,7 +271,8 @@ def _broadcast_optimizer(optimizer, optim_state: dict, groups: list[dict]) -> No
     every rank's optimizer, for replicated parameters. Each moment is broadcast into the tensor that will
     hold it: the live one when the optimizer has stepped, else one allocated once, so no rank holds a
     second copy. torch's set_optimizer_state_dict first fills the optimizer with zero moments (a fake
-    step) and then broadcasts into new tensors: twice the moments at the peak (346 -> 692 MiB on rank 1,
+    step) and then broadcasts into new tensors: twice the moments at the peak (rank 1 at a resume: 696 MiB
+    extra instead of 356,
     docs/checkpoints.md)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     names = [name for group in groups for name in group["params"]]

@@ -272,8 +272,7 @@ def _broadcast_optimizer(optimizer, optim_state: dict, groups: list[dict]) -> No
     hold it: the live one when the optimizer has stepped, else one allocated once, so no rank holds a
     second copy. torch's set_optimizer_state_dict first fills the optimizer with zero moments (a fake
     step) and then broadcasts into new tensors: twice the moments at the peak (rank 1 at a resume: 696 MiB
-    extra instead of 356,
-    docs/checkpoints.md)."""
+    extra instead of 356, docs/checkpoints.md)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     names = [name for group in groups for name in group["params"]]
     if len(names) != len(params):

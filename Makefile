@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC := $(shell nproc 2>/dev/null || echo 1)
 
-.PHONY: setup pretrain smoke test test-fast benchmark lint clean
+.PHONY: setup pretrain smoke test test-fast test-durations benchmark lint clean
 
 setup: $(STAMP)
 
@@ -33,9 +33,11 @@ smoke: setup
 # workers keep two cores busy. A test that starts 2 ranks uses 2 cores, hence one worker per 2 cores
 # beyond that. --dist loadfile: a test file runs on one worker, so its module-scoped runs are made once
 # (a session-scoped run that several files read, e.g. two_ranks_accum2, is made once per worker that
-# needs it). TEST_WORKERS=0 runs the suite in this one process; PYTEST_ARGS come last (e.g. "-k resume").
+# needs it). --no-loadscope-reorder: files go out longest first, as tests/conftest.py orders them from
+# tests/durations.jsonl (make test-durations rewrites it). TEST_WORKERS=0 runs the suite in this one
+# process; PYTEST_ARGS come last (e.g. "-k resume").
 TEST_WORKERS ?= $(shell n=$$(( $(NPROC) / 2 )); [ $$n -lt 2 ] && n=2; echo $$n)
-PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup
 	$(PYTEST) $(PYTEST_ARGS)
@@ -43,6 +45,12 @@ test: setup
 # The quick lane: unit tests only (no test marked slow, i.e. none that launches the recipe or several processes).
 test-fast: setup
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+# Each test's CPU seconds (its child processes included), the order make test hands files out in.
+test-durations: setup
+	rm -f tests/durations.jsonl.new
+	LMPRETRAIN_TEST_CPU_LOG=$(CURDIR)/tests/durations.jsonl.new $(PYTEST) $(PYTEST_ARGS)
+	sort tests/durations.jsonl.new > tests/durations.jsonl && rm tests/durations.jsonl.new
 
 benchmark: setup
 	$(BIN)/python scripts/benchmark.py configs/default.yaml

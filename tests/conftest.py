@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -173,6 +174,32 @@ def pytest_fixture_setup(fixturedef, request):
         yield
     finally:
         lock.downgrade()
+
+
+# ---- longest files first (make test: --dist loadfile --no-loadscope-reorder) ----------------------------------
+
+# tests/durations.jsonl is a CPU log of a whole suite (make test-durations). xdist hands a file to whichever
+# worker is free, in collection order; by default it orders files by their number of tests, which leaves
+# the few-test end-to-end files (minutes each) for the end, one worker busy and the other idle. Longest
+# first, the last files handed out are the short ones. Tests the log does not know count as a typical
+# test of their lane.
+DURATIONS = Path(__file__).with_name("durations.jsonl")
+_UNKNOWN_S = {True: 20.0, False: 0.5}  # slow, not slow
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection: only the tests that will run count
+def pytest_collection_modifyitems(config, items):
+    if not DURATIONS.exists():
+        return
+    known = {}
+    for line in DURATIONS.read_text().splitlines():
+        row = json.loads(line)
+        known[row["test"]] = row["cpu_s"]
+    per_file: dict[str, float] = {}
+    for item in items:
+        seconds = known.get(item.nodeid, _UNKNOWN_S[item.get_closest_marker("slow") is not None])
+        per_file[item.nodeid.split("::")[0]] = per_file.get(item.nodeid.split("::")[0], 0.0) + seconds
+    items.sort(key=lambda item: -per_file[item.nodeid.split("::")[0]])  # stable: a file's tests stay in order
 
 
 # ---- per-test CPU time (LMPRETRAIN_TEST_CPU_LOG=path): load-insensitive suite timing -------------------------

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from recipe_runner import ROOT, SMOKE, read_metrics, run_command
 from safetensors.torch import load_file
 
 from lmpretrain.config import config_problems, derive_accumulation, load_config
@@ -20,6 +19,7 @@ from lmpretrain.plan.hardware import load_gpu
 from lmpretrain.plan.launch import Launch
 from lmpretrain.plan.planner import make_plan
 from lmpretrain.run.oom_retry import is_out_of_memory, smaller_micro_batch
+from recipe_runner import ROOT, SMOKE, read_metrics, run_command
 
 WORKER = ROOT / "tests" / "oom_worker.py"
 # Activations dominate: float64 logits of N x 128 x 8192. One thread and one malloc arena with a fixed mmap

@@ -133,8 +133,6 @@ def _hardware(path: Path):
 
 
 GPU_CONFIGS = [p.name for p in sorted(CONFIGS.glob("*.yaml")) if _hardware(p)]
-# docs/planning.md, "Open finding": the planned optimizer step of llama-8b peaks above 80 GB.
-_OPEN = pytest.mark.xfail(reason="llama-8b's planned optimizer-step peak (docs/planning.md)", strict=True)
 
 
 def test_every_gpu_config_states_its_hardware():
@@ -142,9 +140,7 @@ def test_every_gpu_config_states_its_hardware():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=_OPEN) if n == "llama-8b.yaml" else n for n in GPU_CONFIGS]
-)
+@pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_shipped_gpu_configs_fit_their_hardware(name):
     """A config that would run out of memory on the hardware it names never ships."""
     gpu, count, launch_file = _hardware(CONFIGS / name)

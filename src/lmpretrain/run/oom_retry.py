@@ -49,7 +49,7 @@ def halve_on_oom(train_step, model, optimizer, *args, train, say, accelerator, *
         except Exception as err:
             if not (alone and is_out_of_memory(err) and not updating and train.micro_batch_size > 1):
                 raise
-            what = str(err).splitlines()[0][:160]
+            what = str(err).splitlines()[0][:200]
         finally:
             if hook is not None:
                 hook.remove()

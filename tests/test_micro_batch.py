@@ -40,9 +40,9 @@ ARGS = [
 ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
 
 
-def _run(out: Path, micro: int, accum: int, limit: int = 0):
+def _run(out: Path, micro: int, accum: int, limit: int = 0, batch: str = "--train.grad_accum_steps"):
     argv = [str(SMOKE), f"--run.output_dir={out}", *ARGS]
-    argv += [f"--train.micro_batch_size={micro}", f"--train.grad_accum_steps={accum}"]
+    argv += [f"--train.micro_batch_size={micro}", f"{batch}={accum}"]
     cmd = [sys.executable, str(WORKER), str(limit), json.dumps(argv)]
     done = run_command(cmd, out, env=ENV, timeout=600)
     peak = int(re.search(r"vm_peak=(\d+)", done.output).group(1))
@@ -111,7 +111,8 @@ def test_smaller_micro_batches_divide_the_old_one():
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmPeak from /proc")
 def test_a_step_out_of_memory_is_redone_at_half_the_micro_batch_on_the_same_batch(tmp_path, stdlib_cache):
     n = 16
-    _, half_peak, reference = _run(tmp_path / "half", n // 2, 2)  # the run the halving must reproduce
+    # The run the halving must reproduce, its accumulation (2) derived from the global batch it states.
+    _, half_peak, reference = _run(tmp_path / "half", n // 2, n, batch="--train.global_batch_size")
     _, full_peak, _ = _run(tmp_path / "full", n, 1)
     assert full_peak - half_peak > 100e6, (half_peak, full_peak)  # activations dominate the address space
     limit = (half_peak + full_peak) // 2
@@ -124,11 +125,11 @@ def test_a_step_out_of_memory_is_redone_at_half_the_micro_batch_on_the_same_batc
     )
     assert peak <= limit
     assert [r["step"] for r in read_metrics(tmp_path / "oom") if "train/loss" in r] == [1, 2]
-    meta = json.loads(next((tmp_path / "oom").glob("checkpoints/*/meta.json")).read_text())
-    assert (meta["config"]["train"]["micro_batch_size"], meta["config"]["train"]["grad_accum_steps"]) == (
-        8,
-        2,
-    )
+    for run in ("oom", "half"):
+        train = json.loads(next((tmp_path / run).glob("checkpoints/*/meta.json")).read_text())["config"][
+            "train"
+        ]
+        assert (train["micro_batch_size"], train["grad_accum_steps"]) == (8, 2), run
     assert weights.keys() == reference.keys()
     for name, value in weights.items():  # the same blocks, the same split: equal up to summation order
         torch.testing.assert_close(value, reference[name], rtol=1e-12, atol=1e-12, msg=name)

@@ -71,6 +71,7 @@ from lmpretrain.run import (
     TrainState,
     check_fingerprint,
     check_replicas_identical,
+    halve_on_oom,
     provenance,
     read_step,
     run_fingerprint,
@@ -309,8 +310,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         input_ids = batch.input_ids.to(accelerator.device, non_blocking=True)
         labels = make_labels(input_ids, tokenizer.eos_token_id if cfg.train.mask_cross_doc_targets else None)
         host = {"stop": (preemption.received, "max"), **step_counters(batch), **straggler.host(t_data)}
-        step = train_step(  # 2.-6. forward, backward, sync, clip, update
-            model, optimizer, objective, input_ids, labels,
+        step = halve_on_oom(  # 2.-6. forward, backward, sync, clip, update (out of memory: half the micro-batch)
+            train_step, model, optimizer, objective, input_ids, labels, train=cfg.train, say=say,
             accelerator=accelerator, precision=precision, guard=guard, max_norm=max_norm, host=host,
         )  # fmt: skip
         state.skipped_steps += not step["stepped"]

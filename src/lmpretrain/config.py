@@ -182,10 +182,15 @@ class RampStage:
 class TrainConfig:
     max_steps: int = 1000
     """Optimizer steps (each consumes one global batch)."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward on one process."""
+    micro_batch_size: int | Literal["auto"] = 8
+    """Sequences per forward/backward on one process; auto (CUDA, with train.global_batch_size): the largest
+    the pre-flight plan fits on this GPU that divides the global batch (docs/planning.md)."""
     grad_accum_steps: int = 1
-    """Micro-batches per optimizer step; global batch = micro x accum x world size."""
+    """Micro-batches per optimizer step; global batch = micro x accum x world size. Derived (this value
+    ignored) when train.global_batch_size is set."""
+    global_batch_size: int | None = None
+    """Blocks per optimizer step over all processes; set, grad_accum_steps = global_batch_size /
+    (micro_batch_size x world size), which must divide it; null = micro x accum x world size."""
     precision: Literal["no", "bf16", "fp16"] = "no"
     """no | bf16 | fp16 (fp16 uses dynamic loss scaling)."""
     loss_scale_init: float = 65536.0
@@ -368,6 +373,8 @@ class Config:
         return dataclasses.asdict(self)
 
     def global_batch(self, world_size: int) -> int:
+        if self.train.global_batch_size is not None:
+            return self.train.global_batch_size
         return self.train.micro_batch_size * self.train.grad_accum_steps * world_size
 
 
@@ -396,7 +403,14 @@ def _coerce(value, tp, where: str, problems: list[str]):
             return None
         inner = [a for a in args if a is not type(None)]
         exact = [a for a in inner if type(value) is a]  # `str | bool`: a bool stays a bool
-        return _coerce(value, (exact or inner)[0], where, problems)
+        first = (exact or inner)[0]
+        # `int | Literal["auto"]`: the first type the value fits
+        for tp in [first] + [a for a in inner if a is not first]:
+            tried: list[str] = []
+            coerced = _coerce(value, tp, where, tried)
+            if not tried:
+                return coerced
+        return _coerce(value, first, where, problems)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             problems.append(f"{where}: expected a mapping of {sorted(_fields(tp))}, got {value!r}")
@@ -665,7 +679,8 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         "train.spike_window",
     ):
         section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) < 1:
+        value = getattr(getattr(cfg, section), name)
+        if value != "auto" and value < 1:
             p.append(f"{key} must be >= 1")
     for key in (
         "eval.every",
@@ -717,6 +732,7 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append(f"train.ema_decay={t.ema_decay} must be in (0, 1), or null (no EMA)")
     if t.ema_start < 0:
         p.append("train.ema_start must be >= 0")
+    p += batch_problems(t, world_size)
     p += ramp_problems(t, world_size)
     if t.fsdp_reduce_dtype != "float32" and t.precision != "bf16":
         p.append(
@@ -732,10 +748,34 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
     return p
 
 
+def batch_problems(t: TrainConfig, world_size: int) -> list[str]:
+    """train.global_batch_size splits into micro-batches on every rank; micro_batch_size=auto needs it."""
+    gbs, micro = t.global_batch_size, t.micro_batch_size
+    if gbs is None:
+        need = "train.micro_batch_size=auto picks the micro-batch for a stated global batch: set train.global_batch_size"
+        return [need] if micro == "auto" else []
+    if gbs < 1 or gbs % world_size:
+        return [f"train.global_batch_size={gbs} must be a positive multiple of the world size {world_size}"]
+    if micro != "auto" and micro >= 1 and gbs % (micro * world_size):
+        fits = [m for m in range(micro, 0, -1) if (gbs // world_size) % m == 0][0]
+        return [
+            f"train.global_batch_size={gbs} is not a multiple of train.micro_batch_size x world size = "
+            f"{micro} x {world_size}: set --train.micro_batch_size={fits} (or a global batch that divides)"
+        ]
+    return []
+
+
+def derive_accumulation(t: TrainConfig, world_size: int) -> None:
+    """With train.global_batch_size (and a micro-batch size that divides it): grad_accum_steps from it."""
+    gbs, micro = t.global_batch_size, t.micro_batch_size
+    if gbs is not None and micro != "auto" and micro >= 1 and gbs >= 1 and gbs % (micro * world_size) == 0:
+        t.grad_accum_steps = gbs // (micro * world_size)
+
+
 def ramp_problems(t: TrainConfig, world_size: int) -> list[str]:
     """train.batch_ramp: every stage's batch splits into micro-batches on every rank; stages in order."""
     p: list[str] = []
-    split = t.micro_batch_size * world_size
+    split = t.micro_batch_size * world_size if t.micro_batch_size != "auto" else 0
     bad = [
         f"stage {i} (until_tokens {s.until_tokens:g}) global_batch={s.global_batch}"
         for i, s in enumerate(t.batch_ramp)

@@ -33,7 +33,7 @@ def preflight(cfg: Config, sharding: str, world_size: int, tokenizer):
         problems += model_problems(cfg, model_config, tokenizer)
         problems += kernel_problems(cfg, model_config)
         problems += contract_problems(cfg, causal_lm_class(model_config), sharding)
-    problems += backend_problems(cfg, sharding)
+    problems += backend_problems(cfg, sharding) + auto_batch_problems(cfg, sharding)
     if problems:
         raise ConfigError(problems, source=cfg.config_path or "config")
     return model_config
@@ -81,3 +81,23 @@ def backend_problems(cfg: Config, sharding: str) -> list[str]:
         + checkpoint_problems(cfg.checkpoint.format, cfg.checkpoint.async_save, deepspeed=deepspeed)
         + muon_problems(cfg.optim, sharding)
     )
+
+
+def auto_batch_problems(cfg: Config, sharding: str) -> list[str]:
+    """train.micro_batch_size=auto: the pre-flight plan of this run on its GPU picks it (plan/preflight.py)."""
+    import torch
+
+    if cfg.train.micro_batch_size != "auto":
+        return []
+    why = [
+        (not torch.cuda.is_available(), "it is the largest micro-batch the plan fits in a GPU's memory, and this "
+         "machine has no CUDA GPU"),
+        (not cfg.train.preflight_plan, "the pre-flight plan picks it: set train.preflight_plan=true"),
+        (sharding.startswith("deepspeed"), "DeepSpeed's engine fixes its micro-batch when it is built"),
+        (bool(cfg.train.batch_ramp), "train.batch_ramp's stages need one micro-batch that divides each of them"),
+    ]  # fmt: skip
+    return [
+        f"train.micro_batch_size=auto cannot run here ({reason}): set a number, e.g. --train.micro_batch_size=8"
+        for bad, reason in why
+        if bad
+    ]

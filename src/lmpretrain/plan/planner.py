@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lmpretrain.config import Config, config_problems
+from lmpretrain.config import Config, config_problems, derive_accumulation
 from lmpretrain.errors import ConfigError
 from lmpretrain.model.build import build_model_config
 from lmpretrain.observe.flops import flops_per_token
@@ -101,6 +101,15 @@ def make_plan(cfg: Config, launch: Launch, gpu: GPU, memory_fraction: float = 0.
         raise PlanError(f"--memory_fraction={memory_fraction} must be in (0, 1]")
     check_config(cfg, launch)
     notes = []
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train))  # resolved below, the caller's kept
+    derive_accumulation(cfg.train, launch.num_processes)  # train.global_batch_size
+    if cfg.train.micro_batch_size == "auto":  # what the recipe's pre-flight resolves on its GPU
+        cfg.train.micro_batch_size, cfg.train.grad_accum_steps = 1, cfg.global_batch(launch.num_processes)
+        cfg.train.grad_accum_steps //= launch.num_processes
+        notes.append(
+            "train.micro_batch_size=auto: simulated at 1 row per micro-batch; a run takes the largest micro-batch "
+            "that fits and divides its rows per step (the split below)"
+        )
     kernel = cfg.model.attn_implementation
     if kernel in _STAND_INS:
         notes.append(

@@ -18,6 +18,7 @@ import yaml
 
 from lmpretrain.config import save_config
 from lmpretrain.plan.hardware import PlanError
+from lmpretrain.run.runtime import set_grad_accum
 
 _LAUNCH = {"fsdp2": "FSDP", "deepspeed-zero1": "DEEPSPEED", "deepspeed-zero2": "DEEPSPEED"}
 
@@ -28,6 +29,8 @@ def verdict(plan: dict, memory_bytes: float, cfg) -> str | None:
     if peak <= memory_bytes:
         return None
     fits = plan["max_micro_batch"]
+    if cfg.train.micro_batch_size == "auto":  # the caller picks the micro-batch, or says none fits
+        return None
     rows = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
     split = next((m for m in range(min(fits, rows), 0, -1) if rows % m == 0), None)
     fix = (
@@ -90,23 +93,42 @@ def _plan_here(cfg, sharding: str, world: int, local_world: int, folder: Path) -
 
 
 def check_plan_fits(cfg, info, accelerator, say) -> None:
-    """On CUDA with train.preflight_plan: plan, say the planned peak, and stop (every rank) if it cannot fit."""
+    """On CUDA with train.preflight_plan: plan, say the planned peak, and stop (every rank) if it cannot fit;
+    train.micro_batch_size=auto takes the plan's largest micro-batch that divides the rows per step."""
     if accelerator.device.type != "cuda" or not cfg.train.preflight_plan:
         return
     import torch
     from accelerate.utils import broadcast_object_list
 
-    result: list = [None, None]
+    from lmpretrain.plan.planner import batch_split  # the simulator's imports only where a plan is made
+
+    result: list = [None, None, None]
     if accelerator.is_main_process:
         try:
             with tempfile.TemporaryDirectory() as folder:
                 plan = _plan_here(cfg, info.sharding, info.world_size, info.local_world_size, Path(folder))
             memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            result = [plan["per_rank_bytes"]["total_peak"], verdict(plan, memory, cfg)]
+            rows = cfg.global_batch(info.world_size) // info.world_size
+            split = batch_split(rows, plan["max_micro_batch"])
+            result = [plan["per_rank_bytes"]["total_peak"], verdict(plan, memory, cfg), split]
         except (RuntimeError, OSError, ValueError) as err:  # a plan that cannot be made must not stop a run
-            result = [None, f"skipped ({err})"]
+            result = [None, f"skipped ({err})", None]
     broadcast_object_list(result)
-    peak, problem = result
+    peak, problem, split = result
+    if cfg.train.micro_batch_size == "auto":
+        if split is None:
+            raise PlanError(
+                f"train.micro_batch_size=auto: {problem or 'no micro-batch fits this GPU'}; shard with FSDP2, set "
+                "train.activation_checkpointing=true or shorten data.seq_len"
+            )
+        cfg.train.micro_batch_size, cfg.train.grad_accum_steps = split
+        set_grad_accum(accelerator, split[1])
+        say(
+            f"train.micro_batch_size=auto: {split[0]} x {split[1]} accumulation x {info.world_size} processes = "
+            f"global batch {cfg.global_batch(info.world_size)} (the largest micro-batch the plan fits in 0.9 of "
+            "this GPU's memory)"
+        )
+        return
     if peak is None:
         say(f"memory plan: {problem}")
         return

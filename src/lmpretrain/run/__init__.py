@@ -1,9 +1,11 @@
 """Processes and the run around the loop: accelerate set-up, ranks, signals, the run lock, RNG, step
-counters, the step's one device read, the resume fingerprint."""
+counters, the step's one device read (redone at half the micro-batch when out of memory), the resume
+fingerprint."""
 
 from lmpretrain.run import runtime
 from lmpretrain.run.distributed import check_replicas_identical
 from lmpretrain.run.fingerprint import check_fingerprint, run_fingerprint
+from lmpretrain.run.oom_retry import halve_on_oom
 from lmpretrain.run.preemption import PreemptionHandler
 from lmpretrain.run.provenance import provenance
 from lmpretrain.run.rng import LoopRNG
@@ -21,6 +23,7 @@ __all__ = [
     "TrainState",
     "check_fingerprint",
     "check_replicas_identical",
+    "halve_on_oom",
     "provenance",
     "read_step",
     "run_fingerprint",

@@ -32,6 +32,7 @@ from accelerate.utils import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from lmpretrain.config import derive_accumulation
 from lmpretrain.errors import LaunchError
 from lmpretrain.run.preemption import watch_launcher
 from lmpretrain.run.process_group import process_group_kwargs, restart_count
@@ -342,6 +343,7 @@ def setup(
     """Build and check the Accelerator, set threads and the seed; ranks stop if their launcher dies;
     ``timeout_s`` bounds every collective (run.collective_timeout_s)."""
     watch_launcher()
+    derive_accumulation(train, int(os.environ.get("WORLD_SIZE", "1")))  # train.global_batch_size
     accelerator = build_accelerator(train, log_with, timeout_s)
     check_launch(accelerator, train)
     used = configure_threads(threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

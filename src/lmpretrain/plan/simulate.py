@@ -239,7 +239,10 @@ def simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool 
             optimizer.step()
         flops["optimizer"] = step.get_total_flops()
         muon_comm = dict(counted.received)
-        if cfg.optim.name != "muon":  # AdamW's step: no collectives of its own (none under FSDP2)
+        if cfg.optim.name not in (
+            "muon",
+            "normuon",
+        ):  # AdamW's step: no collectives of its own (none under FSDP2)
             for kind, value in muon_comm.items():
                 comm[kind] += value
             muon_comm = {}

@@ -119,12 +119,13 @@ def _pieces(update: torch.Tensor, group: dict) -> tuple[torch.Tensor, ...]:
 
 
 def _local(updates: list[torch.Tensor], groups: list[dict]) -> list[torch.Tensor]:
-    """Orthogonalised here, every same-shape matrix of a (steps, dtype) batch at once."""
+    """Orthogonalised here, every same-shape matrix of a (steps, dtype, coefficients) batch at once."""
     mats, keys = [], []
     for u, g in zip(updates, groups, strict=True):
         parts = _pieces(u, g)
         mats.append(parts)
-        keys.append((g["ns_steps"], iteration_dtype(g["ns_dtype"], u.dtype, u.device)))
+        dtype = iteration_dtype(g["ns_dtype"], u.dtype, u.device)
+        keys.append((g["ns_steps"], dtype, g["coefficients"]))
     results: list = [None] * len(updates)
     for key in dict.fromkeys(keys):
         idx = [i for i, k in enumerate(keys) if k == key]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from muon_spread_models import MODELS, batch, build, muon_cfg
+from muon_spread_models import CASES, MODELS, OPTIMIZERS, batch, build, muon_cfg
 
 import recipe_runner as rr
 from lmpretrain.update.muon_spread import owners, shard_rows, spread_decision
@@ -102,17 +102,18 @@ def test_the_start_up_line_says_which_runs():
 
 
 def one_process_reference() -> dict:
-    """Each model's weights after the same two steps in this process (one rank)."""
+    """Each (model, optimizer)'s weights after the same two steps in this process (one rank)."""
     weights = {}
     for model_type in MODELS:
-        model = build(model_type)
-        opt = build_optimizer(model, muon_cfg())
-        for step in range(2):
-            ids = batch(step)
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        weights[model_type] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for name, settings in OPTIMIZERS.items():
+            model = build(model_type)
+            opt = build_optimizer(model, muon_cfg(**settings))
+            for step in range(2):
+                ids = batch(step)
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            weights[model_type, name] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return weights
 
 
@@ -151,15 +152,20 @@ def test_fsdp2_and_ddp_spread_or_not_equal_one_process_and_fsdp2_receives_2_over
     world, reference, tmp_path
 ):
     runs = launch(world, tmp_path / "runs.pt")
-    for (model_type, layout, spread), run in runs.items():
-        ref = reference[model_type]
+    assert len(runs) == len(MODELS) * len(CASES)
+    for (model_type, layout, spread, optimizer), run in runs.items():
+        ref = reference[model_type, optimizer]
         for name, w in run["weights"].items():
             diff = ((w - ref[name]).norm() / ref[name].norm()).item()
-            assert diff < 1e-6, (model_type, layout, spread, name, diff)
+            assert diff < 1e-6, (model_type, layout, spread, optimizer, name, diff)
         share = run["muon_bytes"] / world
         worst = max(max(steps) for steps in run["received"])  # bytes from other ranks, worst rank and step
         ops = run["funcol"][-1]  # every collective of the last step (CommDebugMode)
-        if layout == "fsdp2" and spread == "always":  # two all-to-alls: no all-gather, no broadcast
+        if layout == "fsdp2" and optimizer == "normuon":  # and one all-reduce of per-neuron sums
+            assert ops == {"c10d.alltoall_base_": 2, "c10d.allreduce_": 1}, ops
+            assert run["calls"] == {"all_to_all_single": 2, "all_reduce": 1}
+            assert 0 < worst <= 2.2 * share, (model_type, worst / share)
+        elif layout == "fsdp2" and spread == "always":  # two all-to-alls: no all-gather, no broadcast
             assert ops == {"c10d.alltoall_base_": 2} and run["calls"] == {"all_to_all_single": 2}
             assert 0 < worst <= 2.2 * share, (model_type, worst / share)
         elif layout == "ddp" and spread == "always":  # one all-gather of every rank's (padded) results

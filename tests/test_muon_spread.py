@@ -38,6 +38,16 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time():
     assert s.min() > 0.6 and s.max() < 1.25
 
 
+def test_polar_express_orthogonalises_better_than_the_quintic_in_five_steps():
+    x = torch.randn(1, 64, 256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    off = {
+        name: (torch.linalg.svdvals(newton_schulz(x, 5, name)[0]) - 1).abs().max().item()
+        for name in ("quintic", "polar_express")
+    }
+    # the quintic leaves singular values in ~[0.68, 1.13]; Polar Express's per-step coefficients ~[0.86, 1.14]
+    assert off["quintic"] > 0.3 and off["polar_express"] < 0.15, off
+
+
 def test_iteration_dtype():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert iteration_dtype("auto", torch.float32, cuda) == torch.bfloat16
@@ -178,22 +188,26 @@ def test_fsdp2_and_ddp_spread_or_not_equal_one_process_and_fsdp2_receives_2_over
             assert ops == {} and run["calls"] == {}
 
 
-def test_a_resume_with_another_spread_or_ns_dtype_says_so_in_one_line():
+def test_a_resume_with_another_spread_ns_dtype_or_coefficients_says_so_in_one_line():
     from lmpretrain.config import load_config
     from lmpretrain.update.optim import apply_hyperparameters
     from lmpretrain.update.schedule import hyperparameter_changes
 
-    saved = load_config([str(rr.SMOKE), "--optim.name=muon"])
+    saved = load_config([str(rr.SMOKE), "--optim.name=normuon"])
     now = load_config(
-        [str(rr.SMOKE), "--optim.name=muon", "--optim.muon_spread=never", "--optim.muon_ns_dtype=float32"]
-    )
+        [str(rr.SMOKE), "--optim.name=normuon", "--optim.muon_spread=never", "--optim.muon_ns_dtype=float32",
+         "--optim.muon_coefficients=polar_express", "--optim.normuon_beta2=0.9"]
+    )  # fmt: skip
     line = hyperparameter_changes(saved.to_dict(), now, step=4, updates=4)
     assert line.startswith(
         "resumed with new hyper-parameters from step 4: optim.muon_ns_dtype auto -> float32, "
-        "optim.muon_spread auto -> never (lr "
+        "optim.muon_spread auto -> never, optim.muon_coefficients quintic -> polar_express, "
+        "optim.normuon_beta2 0.95 -> 0.9 (lr "
     )
+    assert "\n" not in line
     opt = build_optimizer(build("llama"), saved.optim)  # a loaded state brings the saved settings back
     apply_hyperparameters(opt, now.optim)
-    assert {(g["ns_dtype"], g["spread"]) for g in opt.param_groups if g["kind"] == "muon"} == {
-        ("float32", "never")
+    muon = [g for g in opt.param_groups if g["kind"] == "muon"]
+    assert {(g["ns_dtype"], g["spread"], g["coefficients"], g["normuon_beta2"]) for g in muon} == {
+        ("float32", "never", "polar_express", 0.9)
     }

@@ -274,7 +274,15 @@ def describe_muon_implementation(
     dtype = iteration_dtype(g["ns_dtype"], params[0].dtype, device)
     shapes = [_out_in(p, group) for p, group in pairs]
     _, where = spread_decision(params, groups, world_size, sharded, device)
+    if g["normuon"]:
+        sums = (
+            " (its sums over the row shards: all-reduces of a few numbers per matrix)"
+            if sharded and world_size > 1
+            else ""
+        )
+        where += f"; then NorMuon normalises each rank's part of the results{sums}"
     return (
-        f"Muon: Newton-Schulz in {str(dtype).removeprefix('torch.')} (optim.muon_ns_dtype={g['ns_dtype']}), "
-        f"{batches(shapes)} batched iterations a step (one per matrix shape), foreach momentum and update; {where}"
+        f"Muon: Newton-Schulz in {str(dtype).removeprefix('torch.')} (optim.muon_ns_dtype={g['ns_dtype']}, "
+        f"optim.muon_coefficients={g['coefficients']}), {batches(shapes)} batched iterations a step (one per "
+        f"matrix shape), foreach momentum and update; {where}"
     )

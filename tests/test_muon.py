@@ -297,10 +297,14 @@ def test_bad_muon_settings_are_one_clear_problem():
     assert [p for p in config_problems(cfg, 1) if "muon" in p] == [
         "optim.muon_momentum=1.0 must be in [0, 1), optim.muon_ns_steps=5 >= 1 and optim.muon_lr=0.02 > 0"
     ]
+    cfg = load_config([str(rr.SMOKE), "--optim.name=normuon", "--optim.normuon_beta2=1.0"])
+    assert [p for p in config_problems(cfg, 1) if "muon" in p] == [
+        "optim.normuon_beta2=1.0 must be in [0, 1)"
+    ]
     with pytest.raises(ConfigError) as err:  # allowed values are checked as the config loads
         load_config([str(rr.SMOKE), "--optim.name=lion", "--optim.muon_lr_scale=rms"])
     assert err.value.problems == [
-        "optim.name='lion' must be one of adamw, muon",
+        "optim.name='lion' must be one of adamw, muon, normuon",
         "optim.muon_lr_scale='rms' must be one of match_rms_adamw, original",
     ]
 

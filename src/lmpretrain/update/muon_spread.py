@@ -132,8 +132,9 @@ def _local(updates: list[torch.Tensor], groups: list[dict]) -> list[torch.Tensor
         flat = orthogonalise_all([m for i in idx for m in mats[i]], *key)
         for i in idx:
             parts, flat = flat[: len(mats[i])], flat[len(mats[i]) :]
-            g = groups[i]
-            results[i] = torch.cat(parts, dim=1 + g["out_dim"]).reshape(updates[i].shape)
+            # one piece: the batched iteration's own output (a view), not a copy
+            whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1 + groups[i]["out_dim"])
+            results[i] = whole.reshape(updates[i].shape)
     return results
 
 

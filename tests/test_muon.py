@@ -289,6 +289,37 @@ def test_state_dict_round_trip_keeps_momentum_and_relinks_adamw():
     assert "betas" not in muon_group
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])  # per-row and (Conv1D) per-column neurons
+def test_normuon_state_round_trips_and_the_resumed_steps_are_bit_identical(model_type):
+    ids = [torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    cfg = muon_cfg(name="normuon", muon_coefficients="polar_express")
+
+    def step(model, opt, batch):
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    straight = tiny(model_type)
+    opt = build_optimizer(straight, cfg)
+    step(straight, opt, ids[0])
+    saved = copy.deepcopy((straight.state_dict(), opt.state_dict()))
+    moments = [s["second_moment"] for s in opt.state.values() if "second_moment" in s]
+    assert len(moments) == len([p for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]])
+    assert all(m.abs().sum() > 0 for m in moments)
+    shapes = {tuple(m.shape) for m in moments}
+    assert shapes == ({(1, 96), (1, 128), (1, 32)} if model_type == "gpt2" else {(32, 1), (16, 1), (48, 1)})
+    for batch in ids[1:]:
+        step(straight, opt, batch)
+    resumed = tiny(model_type, seed=5)  # other weights: everything comes from the state dicts
+    resumed.load_state_dict(saved[0])
+    opt2 = build_optimizer(resumed, cfg)
+    opt2.load_state_dict(saved[1])
+    for batch in ids[1:]:
+        step(resumed, opt2, batch)
+    for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
 # ---- Config checks --------------------------------------------------------------------------------
 
 

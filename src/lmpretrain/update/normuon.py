@@ -36,14 +36,13 @@ def second_moment_like(p: torch.Tensor, out_dim: int) -> torch.Tensor:
     shape = (*p.shape[:-1], 1) if out_dim == 0 else (*p.shape[:-2], 1, p.shape[-1])
     if not isinstance(p, DTensor):
         return p.new_zeros(shape)
-    dim = _shard_dim(p)
+    assert _shard_dim(p) is not None, f"NorMuon needs a parameter sharded on dim 0, not {p.placements}"
     local = p.to_local()
     if out_dim == 0 or p.dim() == 3:  # rows (or whole experts) sharded as the parameter's
         local_shape = (*local.shape[:-1], 1) if out_dim == 0 else (*local.shape[:-2], 1, local.shape[-1])
         placements = p.placements
     else:  # one row of per-column values: every rank holds it
         local_shape, placements = shape, [Replicate()] * len(p.placements)
-    assert dim is not None, f"NorMuon needs a parameter sharded on dim 0, not {p.placements}"
     return DTensor.from_local(
         local.new_zeros(local_shape),
         p.device_mesh,

@@ -4,9 +4,8 @@
     python scripts/muon_overhead.py configs/default.yaml [--shape chars|config] [--steps 20] [--warmup 3]
                                     [--threads 1] [--section.field=value ...]
 
-Two copies of the model (same init) train, one with optim.name=adamw and one with optim.name=muon (the
-rest of the config as given), alternating step by step (A B A B ...) so that a loaded machine slows both
-alike. A step is the recipe's work minus data loading: grad_accum_steps forwards and backwards of
+Three copies of the model (same init) train, with optim.name=adamw, muon and normuon (the rest of the
+config as given), alternating step by step (A B C A B C ...) so that a loaded machine slows them alike. A step is the recipe's work minus data loading: grad_accum_steps forwards and backwards of
 micro_batch_size random token rows (the step's time does not depend on the tokens), clipping, the
 optimizer step, zero_grad. Prints each optimizer's median step and optimizer-step-only time and the
 ratios of the medians. `--shape chars` is make benchmark's small-vocabulary shape: GPT-2 4 layers x 4
@@ -49,7 +48,7 @@ def main() -> None:
                 path, Path(tmp), benchmark.CHARS, len(load_tokenizer(benchmark.CHARS))
             )
         runs = {}
-        for name in ("adamw", "muon"):
+        for name in ("adamw", "muon", "normuon"):
             cfg = load_config([path, *overrides, f"--optim.name={name}"])
             torch.manual_seed(0)
             model = build_model(
@@ -86,10 +85,11 @@ def main() -> None:
     med_opt = {n: statistics.median(opt_t[n]) for n in runs}
     for n in runs:
         print(f"{n}: step median {med[n] * 1e3:.1f} ms, optimizer step median {med_opt[n] * 1e3:.1f} ms")
-    print(
-        f"muon / adamw step time (ratio of medians, {args.steps} interleaved steps each): "
-        f"{med['muon'] / med['adamw']:.3f}x; optimizer step alone: {med_opt['muon'] / med_opt['adamw']:.2f}x"
-    )
+    for n in ("muon", "normuon"):
+        print(
+            f"{n} / adamw step time (ratio of medians, {args.steps} interleaved steps each): "
+            f"{med[n] / med['adamw']:.3f}x; optimizer step alone: {med_opt[n] / med_opt['adamw']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -46,3 +46,15 @@ def batch(step: int) -> torch.Tensor:
 
 def muon_cfg(**kw) -> OptimConfig:
     return OptimConfig(**{"name": "muon", "lr": 0.01, "weight_decay": 0.1, "muon_momentum": 0.9, **kw})
+
+
+# The optimizers the gloo runs compare with one process, and the (layout, optim.muon_spread, optimizer) runs
+OPTIMIZERS = {
+    "muon": {},
+    "normuon": {"name": "normuon", "muon_coefficients": "polar_express", "normuon_beta2": 0.8},
+}
+CASES = (
+    *((layout, spread, "muon") for layout in ("fsdp2", "ddp") for spread in ("always", "never")),
+    ("fsdp2", "always", "normuon"),
+    ("ddp", "always", "normuon"),
+)

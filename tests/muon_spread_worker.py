@@ -1,7 +1,8 @@
 """One rank of tests/test_muon_spread.py's gloo runs: tiny float64 models take two Muon steps on the same
 batch on every rank, sharded by FSDP2 (fully_shard) or replicated as under DDP (same gradients on every
-rank), with optim.muon_spread always and never. Rank 0 saves each run's final weights and, per rank, the
-bytes each collective of the optimizer step received.
+rank), with optim.muon_spread always and never; and two NorMuon steps (with Polar Express coefficients)
+spread under both. Rank 0 saves each run's final weights and, per rank, the bytes each collective of the
+optimizer step received.
 
     python tests/muon_spread_worker.py OUT_FILE  (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 """
@@ -17,14 +18,15 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from muon_spread_models import MODELS, batch, build, muon_cfg  # noqa: E402
+from muon_spread_models import CASES, MODELS, OPTIMIZERS, batch, build, muon_cfg  # noqa: E402
 
 from lmpretrain.update.optim import build_optimizer  # noqa: E402
 
 
 class Received:
     """Bytes this rank receives from other ranks in the plain torch.distributed collectives Muon calls
-    (a wrapper around each, restored on exit)."""
+    (a wrapper around each, restored on exit); NorMuon's all-reduces of a few sums per matrix are counted
+    as calls only."""
 
     def __init__(self):
         self.bytes, self.calls, self._saved = 0, {}, {}
@@ -37,6 +39,7 @@ class Received:
             "all_gather",
             "scatter",
             "gather",
+            "all_reduce",
         ):
             self._saved[name] = original = getattr(dist, name)
             setattr(dist, name, self._wrap(name, original))
@@ -66,53 +69,52 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     for model_type in MODELS:
-        for layout in ("fsdp2", "ddp"):
-            for spread in ("always", "never"):
-                model = build(model_type)
-                opt = build_optimizer(model, muon_cfg(muon_spread=spread))  # before sharding, as the recipe
-                if layout == "fsdp2":
-                    names = {id(p): n for n, p in model.named_parameters()}
-                    for block in model.model.layers if hasattr(model, "model") else model.transformer.h:
-                        fully_shard(block, mesh=mesh)
-                    fully_shard(model, mesh=mesh)
-                    sharded = dict(model.named_parameters())  # fully_shard made new (DTensor) parameters
-                    for group in opt.param_groups:
-                        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-                muon_bytes = sum(
+        for layout, spread, name in CASES:
+            model = build(model_type)
+            opt = build_optimizer(model, muon_cfg(muon_spread=spread, **OPTIMIZERS[name]))  # as the recipe
+            if layout == "fsdp2":
+                names = {id(p): n for n, p in model.named_parameters()}
+                for block in model.model.layers if hasattr(model, "model") else model.transformer.h:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+                sharded = dict(model.named_parameters())  # fully_shard made new (DTensor) parameters
+                for group in opt.param_groups:
+                    group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+            muon_bytes = sum(
+                p.numel() * p.element_size()
+                for g in opt.param_groups
+                if g["kind"] == "muon"
+                for p in g["params"]
+            )
+            received, funcol = [], []
+            for step in range(2):
+                ids = batch(step)
+                model(input_ids=ids, labels=ids).loss.backward()
+                with Received() as counter, CommDebugMode() as comm:
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+                received.append(counter.bytes)
+                funcol.append({str(k): v for k, v in comm.get_comm_counts().items()})
+            weights = {
+                n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in model.named_parameters()
+            }
+            stats = torch.tensor([float(b) for b in received], dtype=torch.float64)
+            everyone = [torch.zeros_like(stats) for _ in range(world)]
+            dist.all_gather(everyone, stats)
+            results[(model_type, layout, spread, name)] = {
+                "weights": weights,
+                "received": [t.tolist() for t in everyone],  # [rank][step]
+                "muon_bytes": muon_bytes,
+                "largest": max(
                     p.numel() * p.element_size()
                     for g in opt.param_groups
                     if g["kind"] == "muon"
                     for p in g["params"]
-                )
-                received, funcol = [], []
-                for step in range(2):
-                    ids = batch(step)
-                    model(input_ids=ids, labels=ids).loss.backward()
-                    with Received() as counter, CommDebugMode() as comm:
-                        opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    received.append(counter.bytes)
-                    funcol.append({str(k): v for k, v in comm.get_comm_counts().items()})
-                weights = {
-                    n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                    for n, p in model.named_parameters()
-                }
-                stats = torch.tensor([float(b) for b in received], dtype=torch.float64)
-                everyone = [torch.zeros_like(stats) for _ in range(world)]
-                dist.all_gather(everyone, stats)
-                results[(model_type, layout, spread)] = {
-                    "weights": weights,
-                    "received": [t.tolist() for t in everyone],  # [rank][step]
-                    "muon_bytes": muon_bytes,
-                    "largest": max(
-                        p.numel() * p.element_size()
-                        for g in opt.param_groups
-                        if g["kind"] == "muon"
-                        for p in g["params"]
-                    ),
-                    "funcol": funcol,
-                    "calls": counter.calls,
-                }
+                ),
+                "funcol": funcol,
+                "calls": counter.calls,
+            }
     if rank == 0:
         torch.save(results, out_file)
     dist.destroy_process_group()

@@ -152,30 +152,53 @@ def test_gpt_oss_bias_stacks_stay_on_adamw_and_its_transposed_experts_are_read_a
 # ---- The step equals Muon's definition, computed here in float64 ---------------------------------
 
 A, B, C = 3.4445, -4.7750, 2.0315  # Keller Jordan's quintic Newton-Schulz coefficients
+POLAR_EXPRESS = [  # arXiv:2505.16932's five steps (safety 2e-2, cushion 2), input scaled by 1.02 x its norm
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
 
 
-def newton_schulz(g: torch.Tensor, steps: int) -> torch.Tensor:
+def newton_schulz(g: torch.Tensor, steps: int, coefficients: str = "quintic") -> torch.Tensor:
     tall = g.shape[0] > g.shape[1]
     x = g.T if tall else g
-    x = x / max(x.norm().item(), 1e-7)
-    for _ in range(steps):
+    safety = 1.02 if coefficients == "polar_express" else 1.0
+    x = x / max(x.norm().item() * safety, 1e-7)
+    for i in range(steps):
+        a, b, c = (A, B, C) if coefficients == "quintic" else POLAR_EXPRESS[min(i, 4)]
         s = x @ x.T
-        x = A * x + (B * s + C * s @ s) @ x
+        x = a * x + (b * s + c * s @ s) @ x
     return x.T if tall else x
 
 
-def reference_muon(name: str, p, grad, buf, *, lr, wd, momentum, steps, scale, muon_lr, conv1d):
+def normuon(o: torch.Tensor, moment: torch.Tensor, beta2: float) -> torch.Tensor:
+    """NorMuon on one (out, in) orthogonalised matrix: each row (output neuron) divided by the root of its
+    running mean square (`moment`, updated in place), then the whole scaled back to its Frobenius norm."""
+    moment.mul_(beta2).add_((1 - beta2) * (o * o).mean(dim=1))
+    n = o / (moment.sqrt() + 1e-10)[:, None]
+    return n * (o.norm() / n.norm())
+
+
+def reference_muon(
+    name: str, p, grad, buf, *, lr, wd, momentum, steps, scale, muon_lr, conv1d, coefficients="quintic",
+    moments=None, beta2=None,
+):  # fmt: skip
     """Keller Jordan's form: B = mu B + g, Nesterov update g + mu B (torch's lerp form differs by the factor
     1 - mu, which the normalisation removes). Matrices are (out, in) but GPT-2's Conv1D and GPT-OSS's
-    experts are (in, out) (`conv1d`)."""
+    experts are (in, out) (`conv1d`). `moments`: NorMuon's per-neuron state of each matrix, by index."""
     buf.mul_(momentum).add_(grad)
     u = grad + momentum * buf
     mats = list(u) if u.dim() == 3 else [u]  # an expert stack: one matrix per expert
     outs = []
-    for m in mats:
+    for e, m in enumerate(mats):
         m = m.T if conv1d else m
         pieces = 3 if name.endswith("c_attn.weight") else 1  # Q, K, V side by side
-        parts = [newton_schulz(x, steps) for x in m.chunk(pieces, dim=0)]
+        parts = [newton_schulz(x, steps, coefficients) for x in m.chunk(pieces, dim=0)]
+        if moments is not None:
+            state = moments.setdefault(e, torch.zeros(m.shape[0], dtype=m.dtype))
+            parts = [normuon(x, s, beta2) for x, s in zip(parts, state.chunk(pieces), strict=True)]
         rows, cols = parts[0].shape
         factor = 0.2 * math.sqrt(max(rows, cols)) * lr if scale == "match_rms_adamw" else None
         if scale == "original":
@@ -187,12 +210,20 @@ def reference_muon(name: str, p, grad, buf, *, lr, wd, momentum, steps, scale, m
 
 
 @pytest.mark.parametrize(
-    "model_type,scale", [("llama", "match_rms_adamw"), ("llama", "original"), ("gpt2", "match_rms_adamw"),
-                         ("mixtral", "match_rms_adamw"), ("gpt_oss", "original")]
+    "model_type,scale,name,coefficients",
+    [("llama", "match_rms_adamw", "muon", "quintic"), ("llama", "original", "muon", "quintic"),
+     ("gpt2", "match_rms_adamw", "muon", "quintic"), ("mixtral", "match_rms_adamw", "muon", "quintic"),
+     ("gpt_oss", "original", "muon", "quintic"), ("llama", "match_rms_adamw", "muon", "polar_express"),
+     ("llama", "match_rms_adamw", "normuon", "quintic"), ("gpt2", "original", "normuon", "polar_express"),
+     ("mixtral", "match_rms_adamw", "normuon", "quintic"), ("gpt_oss", "original", "normuon", "quintic")],
 )  # fmt: skip
-def test_muon_steps_equal_a_float64_reference(model_type, scale):
+def test_muon_steps_equal_a_float64_reference(model_type, scale, name, coefficients):
     model = tiny(model_type)
-    cfg = muon_cfg(muon_lr_scale=scale, muon_lr=0.03, muon_momentum=0.9, muon_ns_steps=4)
+    steps = 6 if coefficients == "polar_express" else 4  # past the fifth step too
+    cfg = muon_cfg(
+        name=name, muon_lr_scale=scale, muon_lr=0.03, muon_momentum=0.9, muon_ns_steps=steps,
+        muon_coefficients=coefficients, normuon_beta2=0.8,
+    )  # fmt: skip
     opt = build_optimizer(model, cfg)
     ref = copy.deepcopy(model)
     ref_params = dict(ref.named_parameters())
@@ -201,6 +232,7 @@ def test_muon_steps_equal_a_float64_reference(model_type, scale):
     others = [{**g, "params": [ref_params[n] for n in names_in_group(g, model)]} for g in opt.param_groups]
     ref_adamw = torch.optim.AdamW([g for g in others if g["kind"] == "adamw"], lr=0.01, betas=(0.9, 0.95))
     bufs = {n: torch.zeros_like(ref_params[n]) for n in muon}
+    moments = {n: {} if name == "normuon" else None for n in muon}
     torch.manual_seed(1)
     for lr in (0.004, 0.01, 0.007):  # the schedule changes the lr every step
         ids = torch.randint(0, VOCAB, (2, 10))
@@ -213,8 +245,9 @@ def test_muon_steps_equal_a_float64_reference(model_type, scale):
             for n in muon:
                 p = ref_params[n]
                 in_out = "transformer.h" in n or (model_type == "gpt_oss" and ".experts." in n)
-                reference_muon(n, p, p.grad, bufs[n], lr=lr, wd=0.1, momentum=0.9, steps=4, scale=scale,
-                               muon_lr=0.03, conv1d=in_out)  # fmt: skip
+                reference_muon(n, p, p.grad, bufs[n], lr=lr, wd=0.1, momentum=0.9, steps=steps, scale=scale,
+                               muon_lr=0.03, conv1d=in_out, coefficients=coefficients, moments=moments[n],
+                               beta2=0.8)  # fmt: skip
         ref_adamw.step()
         for m in (model, ref):
             m.zero_grad(set_to_none=True)
@@ -256,6 +289,37 @@ def test_state_dict_round_trip_keeps_momentum_and_relinks_adamw():
     assert "betas" not in muon_group
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])  # per-row and (Conv1D) per-column neurons
+def test_normuon_state_round_trips_and_the_resumed_steps_are_bit_identical(model_type):
+    ids = [torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    cfg = muon_cfg(name="normuon", muon_coefficients="polar_express")
+
+    def step(model, opt, batch):
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    straight = tiny(model_type)
+    opt = build_optimizer(straight, cfg)
+    step(straight, opt, ids[0])
+    saved = copy.deepcopy((straight.state_dict(), opt.state_dict()))
+    moments = [s["second_moment"] for s in opt.state.values() if "second_moment" in s]
+    assert len(moments) == len([p for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]])
+    assert all(m.abs().sum() > 0 for m in moments)
+    shapes = {tuple(m.shape) for m in moments}
+    assert shapes == ({(1, 96), (1, 128), (1, 32)} if model_type == "gpt2" else {(32, 1), (16, 1), (48, 1)})
+    for batch in ids[1:]:
+        step(straight, opt, batch)
+    resumed = tiny(model_type, seed=5)  # other weights: everything comes from the state dicts
+    resumed.load_state_dict(saved[0])
+    opt2 = build_optimizer(resumed, cfg)
+    opt2.load_state_dict(saved[1])
+    for batch in ids[1:]:
+        step(resumed, opt2, batch)
+    for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
 # ---- Config checks --------------------------------------------------------------------------------
 
 
@@ -264,10 +328,14 @@ def test_bad_muon_settings_are_one_clear_problem():
     assert [p for p in config_problems(cfg, 1) if "muon" in p] == [
         "optim.muon_momentum=1.0 must be in [0, 1), optim.muon_ns_steps=5 >= 1 and optim.muon_lr=0.02 > 0"
     ]
+    cfg = load_config([str(rr.SMOKE), "--optim.name=normuon", "--optim.normuon_beta2=1.0"])
+    assert [p for p in config_problems(cfg, 1) if "muon" in p] == [
+        "optim.normuon_beta2=1.0 must be in [0, 1)"
+    ]
     with pytest.raises(ConfigError) as err:  # allowed values are checked as the config loads
         load_config([str(rr.SMOKE), "--optim.name=lion", "--optim.muon_lr_scale=rms"])
     assert err.value.problems == [
-        "optim.name='lion' must be one of adamw, muon",
+        "optim.name='lion' must be one of adamw, muon, normuon",
         "optim.muon_lr_scale='rms' must be one of match_rms_adamw, original",
     ]
 

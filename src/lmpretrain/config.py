@@ -266,9 +266,11 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "muon"] = "adamw"
+    name: Literal["adamw", "muon", "normuon"] = "adamw"
     """adamw | muon: Muon (momentum orthogonalised by Newton-Schulz) for every 2-D weight matrix inside the
-    transformer blocks, AdamW for embeddings, the output head, norms and biases (docs/muon.md)."""
+    transformer blocks, AdamW for embeddings, the output head, norms and biases | normuon: Muon with each
+    output neuron's orthogonalised update normalised by a running mean square (docs/muon.md). The optim.muon_*
+    settings apply to both."""
     lr: float = 3e-4
     """Peak learning rate (after warmup)."""
     min_lr: float = 3e-5
@@ -308,6 +310,12 @@ class OptimConfig:
     rank; FSDP2: two all-to-alls, DDP: one all-gather of the results) | never: every rank does every matrix.
     auto: always under FSDP2, under DDP when a stated roofline says the compute saved exceeds the
     all-gather's time (docs/muon.md). The start-up line says which runs."""
+    muon_coefficients: Literal["quintic", "polar_express"] = "quintic"
+    """optim.name=muon/normuon: the Newton-Schulz coefficients. quintic: Keller Jordan's, the same at every
+    step | polar_express: a tuned (a, b, c) per step (Amsel et al. 2025), closer to orthogonal after 5 steps;
+    made for muon_ns_steps=5 (fewer steps stop it early, later steps repeat its last)."""
+    normuon_beta2: float = 0.95
+    """optim.name=normuon: decay of each neuron's running mean square of its orthogonalised update."""
 
 
 @dataclass
@@ -717,7 +725,11 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append("run.straggler_factor must be > 1 (how many times slower than the others), or null/0 (off)")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append("optim.beta1 and optim.beta2 must be in [0, 1)")
-    if o.name == "muon" and not (0 <= o.muon_momentum < 1 and o.muon_ns_steps >= 1 and o.muon_lr > 0):
+    if o.name == "normuon" and not 0 <= o.normuon_beta2 < 1:
+        p.append(f"optim.normuon_beta2={o.normuon_beta2} must be in [0, 1)")
+    if o.name in ("muon", "normuon") and not (
+        0 <= o.muon_momentum < 1 and o.muon_ns_steps >= 1 and o.muon_lr > 0
+    ):
         p.append(
             f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), optim.muon_ns_steps={o.muon_ns_steps} "
             f">= 1 and optim.muon_lr={o.muon_lr} > 0"

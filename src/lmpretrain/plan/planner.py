@@ -181,7 +181,7 @@ def format_plan(plan: Plan) -> str:
     for kind, value in s.comm.items():
         if kind != "muon" and value:
             lines.append(f"  {kind:15} {_gb(value)}  ({t.comm_s.get(kind, 0) * 1e3:.1f} ms)")
-    if cfg.optim.name == "muon":
+    if cfg.optim.name in ("muon", "normuon"):
         kinds = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in s.muon_comm.items() if v) or "none"
         lines.append(
             f"  muon            {_gb(s.comm['muon'])}  ({t.comm_s.get('muon', 0) * 1e3:.1f} ms; {kinds})"

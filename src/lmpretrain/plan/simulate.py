@@ -146,15 +146,23 @@ def _nbytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def fake_process_group(world: int) -> None:
-    """This process as rank 0 of `world` ranks of torch's fake backend, unless a group of that size exists."""
+@contextlib.contextmanager
+def fake_process_group(world: int):
+    """This process as rank 0 of `world` ranks of torch's fake backend, unless a group of that size exists.
+    The group made here is destroyed on exit: left behind, it made everything that ran next in the process
+    (a test computing a one-process reference) see `world` ranks whose collectives move nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        if dist.get_world_size() == world:  # this world's fake group, or real processes (the tests' gloo)
+        if dist.get_world_size() == world:  # real processes (the tests' gloo), or the caller's fake group
+            yield
             return
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _fsdp2(model, cfg, launch: Launch, world: int):
@@ -195,8 +203,12 @@ def _gradient_sync(model, launch: Launch, sync: bool):
 
 def simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool = True) -> Step:
     """One step of `cfg` at `micro_batch` rows per micro-batch, as rank 0 of launch.num_processes."""
+    with fake_process_group(launch.num_processes):
+        return _simulate(cfg, model_config, launch, micro_batch, fake=fake)
+
+
+def _simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool) -> Step:
     world = launch.num_processes
-    fake_process_group(world)
     # Garbage of earlier work in this process, freed by the collector during the tracked step, would be
     # booked by the real-mode tracker (default.yaml with checkpointing: 106-119 MB of activations and
     # temporaries by what ran before; 115 MB after a collection, every time).
@@ -263,7 +275,10 @@ def simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool 
             optimizer.step()
         flops["optimizer"] = step.get_total_flops()
         muon_comm = dict(counted.received)
-        if cfg.optim.name != "muon":  # AdamW's step: no collectives of its own (none under FSDP2)
+        if cfg.optim.name not in (
+            "muon",
+            "normuon",
+        ):  # AdamW's step: no collectives of its own (none under FSDP2)
             for kind, value in muon_comm.items():
                 comm[kind] += value
             muon_comm = {}

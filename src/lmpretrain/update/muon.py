@@ -31,6 +31,7 @@ from transformers.pytorch_utils import Conv1D
 from lmpretrain.errors import ConfigError
 from lmpretrain.update.muon_spread import orthogonalised, spread_decision
 from lmpretrain.update.newton_schulz import batches, iteration_dtype
+from lmpretrain.update.normuon import normalise_neurons, second_moment_like
 
 
 def fused_projections(block: nn.Module) -> dict[int, int]:
@@ -103,6 +104,9 @@ def muon_hyperparameters(optim_cfg) -> dict:
         "weight_decay": optim_cfg.weight_decay,
         "ns_dtype": optim_cfg.muon_ns_dtype,
         "spread": optim_cfg.muon_spread,
+        "coefficients": optim_cfg.muon_coefficients,
+        "normuon": optim_cfg.name == "normuon",
+        "normuon_beta2": optim_cfg.normuon_beta2,
     }
 
 
@@ -188,7 +192,20 @@ class MuonAdamW(torch.optim.Optimizer):
         spread, _ = spread_decision(
             params, groups, _world_size(), isinstance(updates[0], DTensor), _local_device(updates[0])
         )
-        orthos = iter(orthogonalised(updates, groups, spread))
+        orthos = orthogonalised(updates, groups, spread)
+        normed = [i for i, g in enumerate(groups) if g["normuon"]]
+        if normed:  # NorMuon: per neuron, on each rank's part of the results (normuon.py)
+            for i in normed:
+                if "second_moment" not in self.state[params[i]]:
+                    self.state[params[i]]["second_moment"] = second_moment_like(
+                        params[i], groups[i]["out_dim"]
+                    )
+            normalise_neurons(
+                [orthos[i] for i in normed],
+                [groups[i] for i in normed],
+                [self.state[params[i]]["second_moment"] for i in normed],
+            )
+        orthos = iter(orthos)
         for group, params, _ in work:
             lr = group["lr"] * group["lr_ratio"]
             ortho = [next(orthos) for _ in params]
@@ -217,10 +234,10 @@ def _local_device(t: torch.Tensor) -> torch.device:
 
 def muon_problems(optim_cfg, sharding: str) -> list[str]:
     """Muon needs each whole matrix on some rank: DeepSpeed ZeRO and FSDP1 hold flat 1-D partitions."""
-    if optim_cfg.name != "muon" or not sharding.startswith(("deepspeed", "fsdp1")):
+    if optim_cfg.name not in ("muon", "normuon") or not sharding.startswith(("deepspeed", "fsdp1")):
         return []
     return [
-        f"optim.name=muon cannot run under {sharding.split()[0]}: it flattens the parameters into 1-D "
+        f"optim.name={optim_cfg.name} cannot run under {sharding.split()[0]}: it flattens the parameters into 1-D "
         "partitions, so no rank holds a weight matrix to orthogonalise; launch with FSDP2 "
         "(configs/accelerate/fsdp.yaml, cpu-fsdp.yaml) or DDP, or use optim.name=adamw"
     ]
@@ -237,10 +254,13 @@ def describe_muon(optimizer: MuonAdamW) -> str:
     )
     fused = sum(len(group["params"]) for group in groups if group["pieces"] > 1)
     fused_note = f", {fused} fused QKV split per projection" if fused else ""
+    coefficients = "" if g["coefficients"] == "quintic" else " (Polar Express coefficients)"
+    normuon = f", per-neuron normalisation beta2={g['normuon_beta2']}" if g["normuon"] else ""
     return (
-        f"Muon: {sum(map(matrix_count, groups))} matrices in {sum(len(x['params']) for x in groups)} tensors"
-        f"{fused_note}, {n:,} params (Nesterov momentum {g['momentum']}, {g['ns_steps']} Newton-Schulz "
-        f"steps, lr {lr}, weight_decay={g['weight_decay']})"
+        f"{'NorMuon' if g['normuon'] else 'Muon'}: {sum(map(matrix_count, groups))} matrices in "
+        f"{sum(len(x['params']) for x in groups)} tensors{fused_note}, {n:,} params (Nesterov momentum "
+        f"{g['momentum']}, {g['ns_steps']} Newton-Schulz steps{coefficients}{normuon}, lr {lr}, "
+        f"weight_decay={g['weight_decay']})"
     )
 
 
@@ -254,7 +274,15 @@ def describe_muon_implementation(
     dtype = iteration_dtype(g["ns_dtype"], params[0].dtype, device)
     shapes = [_out_in(p, group) for p, group in pairs]
     _, where = spread_decision(params, groups, world_size, sharded, device)
+    if g["normuon"]:
+        sums = (
+            " (its sums over the row shards: all-reduces of a few numbers per matrix)"
+            if sharded and world_size > 1
+            else ""
+        )
+        where += f"; then NorMuon normalises each rank's part of the results{sums}"
     return (
-        f"Muon: Newton-Schulz in {str(dtype).removeprefix('torch.')} (optim.muon_ns_dtype={g['ns_dtype']}), "
-        f"{batches(shapes)} batched iterations a step (one per matrix shape), foreach momentum and update; {where}"
+        f"Muon: Newton-Schulz in {str(dtype).removeprefix('torch.')} (optim.muon_ns_dtype={g['ns_dtype']}, "
+        f"optim.muon_coefficients={g['coefficients']}), {batches(shapes)} batched iterations a step (one per "
+        f"matrix shape), foreach momentum and update; {where}"
     )

@@ -119,20 +119,22 @@ def _pieces(update: torch.Tensor, group: dict) -> tuple[torch.Tensor, ...]:
 
 
 def _local(updates: list[torch.Tensor], groups: list[dict]) -> list[torch.Tensor]:
-    """Orthogonalised here, every same-shape matrix of a (steps, dtype) batch at once."""
+    """Orthogonalised here, every same-shape matrix of a (steps, dtype, coefficients) batch at once."""
     mats, keys = [], []
     for u, g in zip(updates, groups, strict=True):
         parts = _pieces(u, g)
         mats.append(parts)
-        keys.append((g["ns_steps"], iteration_dtype(g["ns_dtype"], u.dtype, u.device)))
+        dtype = iteration_dtype(g["ns_dtype"], u.dtype, u.device)
+        keys.append((g["ns_steps"], dtype, g["coefficients"]))
     results: list = [None] * len(updates)
     for key in dict.fromkeys(keys):
         idx = [i for i, k in enumerate(keys) if k == key]
         flat = orthogonalise_all([m for i in idx for m in mats[i]], *key)
         for i in idx:
             parts, flat = flat[: len(mats[i])], flat[len(mats[i]) :]
-            g = groups[i]
-            results[i] = torch.cat(parts, dim=1 + g["out_dim"]).reshape(updates[i].shape)
+            # one piece: the batched iteration's own output (a view), not a copy
+            whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1 + groups[i]["out_dim"])
+            results[i] = whole.reshape(updates[i].shape)
     return results
 
 

@@ -72,7 +72,7 @@ def build_optimizer(model: nn.Module, optim_cfg, device: torch.device | None = N
     supports it, else the foreach implementation. Same update rule, so checkpoints load across the two
     (`keep_implementation` stops a loaded checkpoint from switching it).
     """
-    muon = muon_groups(model, optim_cfg) if optim_cfg.name == "muon" else []
+    muon = muon_groups(model, optim_cfg) if optim_cfg.name in ("muon", "normuon") else []
     matrices = frozenset(id(p) for g in muon for p in g["params"])
     groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.decay_embeddings, exclude=matrices)
     device = device or next(model.parameters()).device

@@ -40,6 +40,8 @@ _OPTIM_FIELDS = (
     "muon_ns_dtype",
     "muon_spread",
     "muon_lr",
+    "muon_coefficients",
+    "normuon_beta2",
 )
 
 

@@ -157,10 +157,12 @@ def test_kill_9_during_async_saves_then_resume_is_bit_identical(fsdp_run, tmp_pa
 
 def test_sigterm_to_the_launcher_saves_and_resumes_bit_identical(fsdp_run, tmp_path):
     """The signal goes to `accelerate launch` only; it forwards SIGTERM to the ranks, which save the
-    step they are at and exit well inside its grace period."""
+    step they are at and exit well inside its grace period. In the full format (rank 0 writes, rank 0
+    reads and broadcasts; the kill -9 test above resumes the sharded one)."""
     out = tmp_path / "terminated"
+    args = [*EXACT, "--checkpoint.format=full"]
     with open(tmp_path / "terminated.log", "w") as log:
-        proc = rr.start(out, *EXACT, launch=FSDP, log=log)
+        proc = rr.start(out, *args, launch=FSDP, log=log)
         rr.wait_for_step(proc, out, 2, timeout=TIMEOUT)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -170,7 +172,7 @@ def test_sigterm_to_the_launcher_saves_and_resumes_bit_identical(fsdp_run, tmp_p
     assert log.count("received SIGTERM: will save after this step and exit") == 2  # both ranks
     saved = float(log.split(f"step-{stopped_at:08d} (in ")[1].split(" s)")[0])
     assert saved < 30 / 2  # well inside the launcher's default grace (30 s)
-    resumed = rr.run(out, *EXACT, launch=FSDP, timeout=TIMEOUT)
+    resumed = rr.run(out, *args, launch=FSDP, timeout=TIMEOUT)
     assert f"at step {stopped_at}" in resumed.output
     assert_same_run(fsdp_run, resumed)
 

@@ -60,8 +60,12 @@ def sharded_precision(model, optimizer) -> dict[str, str]:
         for hook in hooks:
             hook.remove()
         inner.train(was_training)
+        # FSDP2 leaves the root unit's parameters gathered after a forward with no backward; a full-format
+        # resume loads into the sharded DTensors, and fails on the root's ("mixed torch.Tensor and DTensor").
+        for unit in units:
+            unit.reshard()
     # What the optimizer steps (its AdamW moments are created like them): the sharded parameters.
-    # Not model.parameters(): a unit left unsharded after the forward (the root) lists its gathered ones.
+    # (model.parameters() would list a unit's gathered parameters while it is unsharded.)
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     shards = {p.to_local().dtype if isinstance(p, DTensor) else p.dtype for p in stepped}
     reduce = set()

@@ -6,6 +6,7 @@ from lmpretrain.run.distributed import check_replicas_identical
 from lmpretrain.run.fingerprint import check_fingerprint, run_fingerprint
 from lmpretrain.run.preemption import PreemptionHandler
 from lmpretrain.run.provenance import provenance
+from lmpretrain.run.resume import check_resume, resumed
 from lmpretrain.run.rng import LoopRNG
 from lmpretrain.run.runlock import run_lock
 from lmpretrain.run.stall_watch import StallWatch
@@ -19,8 +20,10 @@ __all__ = [
     "TrainState",
     "check_fingerprint",
     "check_replicas_identical",
+    "check_resume",
     "provenance",
     "read_step",
+    "resumed",
     "run_fingerprint",
     "run_lock",
     "runtime",

@@ -142,10 +142,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     W = info.world_size
     ramp = BatchRamp.from_config(cfg.train, cfg.global_batch(W), cfg.data.seq_len)  # blocks of each step
     # Data is opened before the model: a missing file fails in seconds, not after a model load.
-    train_data = TrainStream(
-        cfg.data, tokenizer, blocks_per_step=ramp, rank=info.rank, world_size=W, seed=cfg.run.seed
-    )
-    cleanup.callback(train_data.close)
+    train_data = cleanup.enter_context(TrainStream.from_config(cfg, tokenizer, ramp, info.rank, W))
     say(train_data.describe())
     eval_size = cfg.eval.batches * cfg.eval.batch_size  # blocks
     held_out = heldout_blocks(cfg.data, tokenizer, num_blocks=eval_size, progress=accelerator.is_main_process)

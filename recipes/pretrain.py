@@ -30,17 +30,12 @@ from lmpretrain.data import (
     heldout_blocks,
     load_tokenizer,
     merge_data_states,
-    mixture_change,
     step_counters,
 )
-from lmpretrain.errors import UserError
-from lmpretrain.launch import report_user_error
 from lmpretrain.model import (
     LMObjective,
     MixedPrecision,
     build_model,
-    check_sharded_precision,
-    compile_seconds,
     count_targets,
     import_model_modules,
     make_labels,
@@ -53,27 +48,28 @@ from lmpretrain.observe import (
     Evaluator,
     MFUMeter,
     StepLog,
+    StepMetrics,
     StepProfiler,
     TaskSuite,
     Tracker,
+    evaluate_all,
     generate_sample,
-    step_metrics,
     wandb_log_with,
 )
 from lmpretrain.plan.preflight import check_plan_fits
 from lmpretrain.preflight import preflight
-from lmpretrain.progress import step_bar
 from lmpretrain.run import (
     LoopRNG,
     PreemptionHandler,
     StallWatch,
     StragglerWatch,
     TrainState,
-    check_fingerprint,
     check_replicas_identical,
+    check_resume,
     halve_on_oom,
     provenance,
     read_step,
+    resumed,
     run_fingerprint,
     run_lock,
     runtime,
@@ -86,7 +82,6 @@ from lmpretrain.update import (
     build_optimizer,
     describe_groups,
     describe_implementation,
-    hyperparameter_changes,
     learning_rate,
     set_lr,
 )
@@ -138,15 +133,10 @@ def train_step(
 
 def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = Path(__file__)) -> None:
     # ---- Pre-flight: processes, config, model config, data; every problem before any work ----------
-    accelerator, info = runtime.setup(
-        cfg.train, cfg.run.threads, cfg.run.seed, wandb_log_with(cfg.logging.wandb_mode),
-        timeout_s=cfg.run.collective_timeout_s,
-    )  # fmt: skip
+    accelerator, info = runtime.setup_from_config(cfg, log_with=wandb_log_with(cfg.logging.wandb_mode))
     cleanup.callback(accelerator.end_training)
-    say = lambda line: accelerator.print(f"[lmpretrain] {line}")  # noqa: E731
-    say(info.describe())
-    if info.restarts:  # torch elastic restarted every rank after one failed (launch --max_restarts)
-        say(f"restart {info.restarts} of at most {info.max_restarts}: resuming the last complete checkpoint")
+    say = runtime.announcer(accelerator)  # say(*lines): `[lmpretrain] line` on the main process
+    say(*info.startup_lines())  # the processes; which restart this is (launch --max_restarts)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     import_model_modules(cfg.model)  # a fork's own model classes register with the Auto classes
     model_config = preflight(cfg, info.sharding, info.world_size, tokenizer)  # one error lists every problem
@@ -154,17 +144,12 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     W = info.world_size
     ramp = BatchRamp.from_config(cfg.train, cfg.global_batch(W), cfg.data.seq_len)  # blocks of each step
     # Data is opened before the model: a missing file fails in seconds, not after a model load.
-    train_data = TrainStream(
-        cfg.data, tokenizer, blocks_per_step=ramp, rank=info.rank, world_size=W, seed=cfg.run.seed
-    )
-    cleanup.callback(train_data.close)
+    train_data = cleanup.enter_context(TrainStream.from_config(cfg, tokenizer, ramp, info.rank, W))
     say(train_data.describe())
     eval_size = cfg.eval.batches * cfg.eval.batch_size  # blocks
     held_out = heldout_blocks(cfg.data, tokenizer, num_blocks=eval_size, progress=accelerator.is_main_process)
-    deepspeed = info.sharding.startswith("deepspeed")
-    precision = MixedPrecision(
-        cfg.train.precision, accelerator.device, cfg.train.loss_scale_init, engine=deepspeed
-    )
+    deepspeed, fsdp2 = info.sharding.startswith("deepspeed"), info.sharding.startswith("fsdp2")
+    precision = MixedPrecision.from_config(cfg.train, accelerator.device, engine=deepspeed)
     # eval.tasks: resolved and loaded now, so a bad task stops the run before the model is built
     tasks = TaskSuite.from_config(cfg, tokenizer, accelerator, precision)
     say(tasks.describe())
@@ -172,35 +157,23 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     out = Path(cfg.run.output_dir)
     check_output_dir_writable(out)
     cleanup.enter_context(run_lock(out, accelerator))  # a second live run in this output dir is refused
-    checkpointer = Checkpointer.from_config(out, accelerator, cfg.checkpoint, announce=accelerator.print)
-    cleanup.callback(checkpointer.close)
+    checkpointer = cleanup.enter_context(Checkpointer.from_config(out, accelerator, cfg.checkpoint))
     resume_from = checkpointer.resolve_resume(cfg.run.resume, cfg.run.overwrite)
     fingerprint = run_fingerprint(cfg, W, train_data.fingerprint(), model_config)  # checked at resume
     saved = checkpointer.metadata(resume_from) if resume_from else None
-    if saved:  # before the model is built: a refused resume costs seconds, and writes nothing
-        for line in check_fingerprint(
-            saved["fingerprint"], fingerprint, allow_mismatch=cfg.run.allow_mismatch, lr=cfg.optim.lr,
-            allow_data_change=cfg.run.allow_data_change,
-        ):  # fmt: skip
-            say(line)
+    say(*check_resume(saved, fingerprint, cfg))  # before the model is built: a refused resume writes nothing
 
     # ---- Build: model and its objective, speed switches, optimizer, precision, wrapping ------------
     model = build_model(
         model_config, cfg.model.pretrained, cfg.train.param_dtype, cfg.model.trust_remote_code
     )
     objective = objective_class.from_config(cfg, tokenizer.eos_token_id)
-    for line in objective.install(model):  # the loss runs inside the model's forward (FSDP2 needs it)
-        say(line)
+    say(*objective.install(model))  # the loss runs inside the model's forward (FSDP2 needs it)
     counts = parameter_counts(model)  # after install: a fork's auxiliary modules train too
-    for line in prepare_model(model, cfg.train, accelerator):  # attention, checkpointing, compile
-        say(line)
+    say(*prepare_model(model, cfg.train, accelerator))  # attention, checkpointing, compile
     optimizer = build_optimizer(model, cfg.optim, accelerator.device)
     say(f"{counts['params_total']:,} parameters; optimizer groups: {describe_groups(optimizer)}")
-    say(
-        describe_implementation(
-            optimizer, cfg.optim, accelerator.device, W, info.sharding.startswith("fsdp2")
-        )
-    )
+    say(describe_implementation(optimizer, cfg.optim, accelerator.device, W, fsdp2))
     # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (set_lr before each step from the
     # updates really applied), under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -209,16 +182,11 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     averages = {"ema": ema} if ema else {}
     if ema:
         say(ema.describe())
-    if info.sharding.startswith("fsdp2"):  # every rank: the check runs a forward of a few tokens
-        say(check_sharded_precision(model, optimizer, cfg.train))
+    say(*precision.check_prepared(model, optimizer, cfg.train, info.sharding))  # FSDP2's, DeepSpeed's
     say(checkpointer.describe())
-    if deepspeed:
-        say(precision.check_engine_weights(model))
     evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator, tokenizer)
     made_by = provenance(recipe, cfg)  # which recipe and fork files, commit and packages trained this run
-    meter = MFUMeter.for_run(
-        model_config, cfg.data.seq_len, accelerator.device, precision.dtype or torch.float32
-    )
+    meter = MFUMeter.for_run(model_config, cfg.data.seq_len, accelerator.device, precision.compute_dtype)
     say(meter.describe())
 
     # ---- Resume: weights, moments, and every state below (per rank: RNG, data position) ----------
@@ -233,23 +201,13 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         "rng": PerRank(loop_rng),
     }
     rollback = SpikeRollback(  # train.on_spike=rollback: a spike reloads the last checkpoint
-        cfg.train, checkpointer, model=model, optimizer=optimizer, states=states, data=train_data,
-        rng=loop_rng, ramp=ramp, seq_len=cfg.data.seq_len, averages=averages,
-    )  # fmt: skip
+        cfg.train, checkpointer, model=model, optimizer=optimizer, states=states, ramp=ramp, averages=averages
+    )
     if resume_from:
         checkpointer.load(resume_from, model=model, optimizer=optimizer, states=states, averages=averages)
-        say(f"resumed from {resume_from} at step {state.step}")
-        if ema and "ema" not in saved.get("averages", []):
-            say(f"the checkpoint holds no EMA: it starts from the weights of step {state.step}")
-        if resume_from.parent.parent.resolve() != out.resolve():  # a branch into another output dir
-            state.wandb_run_id = None  # (e.g. an anneal) is a W&B run of its own, not the original's
         apply_hyperparameters(optimizer, cfg.optim)  # the current config's, not the checkpoint's
-        for note in (  # what changed since the checkpoint: hyper-parameters and the lr, the data mixture
-            hyperparameter_changes(saved["config"], cfg, state.step, state.step - state.skipped_steps, ramp),
-            mixture_change(saved["fingerprint"], fingerprint, state.step),
-        ):  # fmt: skip
-            if note:
-                say(note)
+        # what changed since the checkpoint; a branch into another output dir is a W&B run of its own
+        say(*resumed(resume_from, saved, cfg, fingerprint, state, ramp, ema))
     batches = train_data.start()  # reads the first step now: a saved position that no longer fits fails here
     if accelerator.is_main_process:  # only now: a refused resume writes nothing
         save_config(cfg, out / "config.yaml", provenance=made_by)
@@ -258,27 +216,14 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         accelerator, cfg, facts={**counts, "runtime": vars(info), **meter.facts(), "provenance": made_by},
         run_id=state.wandb_run_id, resume_step=state.step if resume_from else None,
     )  # fmt: skip
-    cleanup.push(lambda exc_type, *_: tracker.finish(exit_code=1 if exc_type else 0))
+    cleanup.enter_context(tracker)  # finishes the W&B run, as failed when the run ends on an exception
     state.wandb_run_id = tracker.run_id
     warnings = ConsoleWarnings(say, max_skipped=cfg.train.max_skipped_steps)
     straggler = StragglerWatch(cfg.run.straggler_factor, W, say)  # names a rank the others wait for
 
-    def save_checkpoint():
-        meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, "eval_loss": state.eval_loss_now}
-        meta["provenance"] = made_by
-        checkpointer.save(
-            state.step, model=model, optimizer=optimizer, states=states, meta=meta, averages=averages
-        )
-
-    def run_eval():
-        metrics = evaluator(model)
+    def run_eval():  # the held-out set, eval.tasks when due, the same of the EMA
+        metrics = evaluate_all(model, state.step, evaluator, tasks, ema)
         state.record_eval(metrics["eval/loss"])
-        # eval.tasks when due (eval.tasks_every): lm-evaluation-harness on the live model, every rank
-        metrics.update(tasks.run_if_due(model, state.step))
-        if ema:  # the same scores of the average, swapped into the model and back
-            metrics.update(
-                ema.evaluate(model, lambda: {**evaluator(model), **tasks.run_if_due(model, state.step)})
-            )
         if cfg.eval.sample_tokens:  # every rank: a sharded model generates on all of them
             text = generate_sample(model, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens, accelerator)
             tracker.log_samples(state.step, [(cfg.eval.prompt, text)])
@@ -291,11 +236,11 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     profiler = cleanup.enter_context(  # train.profile_steps; on CUDA an out-of-memory snapshot
         StepProfiler(cfg.train.profile_steps, out / "profile", accelerator.device, info.rank, say)
     )
-    progress = step_bar(total=cfg.train.max_steps, initial=state.step, enabled=accelerator.is_main_process)
-    cleanup.callback(progress.close)
-    log_step = StepLog(tracker, progress, cfg.logging.every, cfg.train.max_steps, accelerator.is_main_process)
+    log_step = cleanup.enter_context(StepLog.for_run(tracker, cfg, state.step, accelerator.is_main_process))
     max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
-    first_step = state.step + 1
+    step_metrics = StepMetrics(
+        accelerator, meter, precision, max_norm, restarts=info.restarts, compiled=cfg.train.compile
+    )
     if state.step == 0 and cfg.eval.every:  # the baseline every curve starts from
         tracker.log({**run_eval(), "train/tokens_seen": 0}, step=0)
     while state.step < cfg.train.max_steps:
@@ -314,9 +259,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
             train_step, model, optimizer, objective, input_ids, labels, train=cfg.train, say=say,
             accelerator=accelerator, precision=precision, guard=guard, max_norm=max_norm, host=host,
         )  # fmt: skip
-        state.skipped_steps += not step["stepped"]
-        state.step += 1
-        state.tokens_seen += batch.input_ids.numel() * W
+        state.count_step(step["stepped"], tokens=batch.input_ids.numel() * W)
         straggler.observe(state.step, step["host"])  # takes its times out of the step's host numbers
         if ema and step["stepped"]:
             ema.update(state.step)
@@ -325,12 +268,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         if rollback.wanted(step["skipped"]):  # back to the last checkpoint, the data since it skipped
             say(rollback(state))
             batches = iter(train_data)
-        metrics = step_metrics(
-            step, batch, state, lr, max_norm, t_start, t_data, accelerator, meter, precision
-        )
-        metrics.update({"run/restarts": info.restarts, **rollback.counters(state)})
-        if cfg.train.compile and state.step == first_step:  # compiling happens in the first steps
-            metrics["perf/compile_s"] = compile_seconds()
+        metrics = step_metrics(step, batch, state, lr, t_start, t_data)  # train/*, perf/*, data/*
         warnings.observe(state.step, metrics["train/loss"], metrics["train/clipped"], step["skipped"])
         final_step = state.step == cfg.train.max_steps
         if final_step or (cfg.eval.every and state.step % cfg.eval.every == 0):  # 7. evaluate
@@ -338,16 +276,18 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         log_step(state.step, metrics, terms=step["terms"])  # W&B + metrics.jsonl, the step bar, the console
         stop = bool(step["host"]["stop"])  # any rank signalled: every rank saves and stops here
         checkpointer.poll()  # commits a background save once every rank has written it
-        # 8. checkpoint. Not periodically while updates are skipped, nor at the end while they are non-finite:
-        # a diverging run must not rotate its last good checkpoints out for copies of the weights it stalled on.
-        periodic = cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0 and not guard.consecutive
-        if stop or periodic or (final_step and not guard.stalled):
-            save_checkpoint()
+        # 8. checkpoint every checkpoint.every steps and at the end, unless a diverging run's guard says not
+        if stop or guard.checkpoint_due(state.step, cfg.checkpoint.every, final_step):
+            meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, "eval_loss": state.eval_loss_now}
+            meta["provenance"] = made_by
+            checkpointer.save(
+                state.step, model=model, optimizer=optimizer, states=states, meta=meta, averages=averages
+            )
         if stop:
             checkpointer.wait()
             say(f"stopped by signal after step {state.step}; resume with the same command")
             return
-    progress.close()
+    log_step.close()
     checkpointer.wait()
     guard.check_finished(state.step, state.eval_loss)  # skipping at the end or a non-finite eval: exit 2
 
@@ -365,12 +305,9 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
 
 
 def cli(sections: dict | None = None, objective=LMObjective, transforms=()) -> None:
-    """The command line: main(sys.argv[1:]), then exit the process (a fork's entry point calls this too)."""
-    try:
-        main(sys.argv[1:], sections, objective, transforms)
-    except UserError as err:  # a problem to fix, not a bug: one message, no traceback
-        runtime.exit_process(report_user_error(err))
-    runtime.exit_process(0)  # see exit_process: a clean exit that gloo's threads cannot abort
+    """The command line: main(sys.argv[1:]), then exit the process: 0, or a user error's one message and
+    exit code 2 (a fork's entry point calls this too)."""
+    runtime.exit_after(lambda: main(sys.argv[1:], sections, objective, transforms))
 
 
 if __name__ == "__main__":

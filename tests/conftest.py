@@ -77,6 +77,39 @@ def one_layer_llama_config(vocab_size: int, **overrides):
     return AutoConfig.for_model("llama", vocab_size=vocab_size, **{**shape, **overrides})
 
 
+def tiny_llama(seed: int, **overrides):
+    """A Llama initialised from torch seed `seed`, in train mode: 2 layers 32 wide, 4 heads over 2 KV heads,
+    vocab 97, 32 positions, tied embeddings; `overrides` change the config."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    shape = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(LlamaConfig(**{**shape, **overrides})).train()
+
+
+# A one-layer Mixtral small enough for float64 reference steps: 3 experts, 2 per token (tests/test_muon.py,
+# and the Muon spread runs' tests/muon_spread_models.py)
+TINY_MIXTRAL = {
+    "hidden_size": 32,
+    "intermediate_size": 24,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 3,
+    "num_experts_per_tok": 2,
+}
+
+
 # ---- runs shared by several test modules -------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@ uneven shards (45 MLP rows on 2 and 4 ranks, 3 experts), an odd number of matric
 GPT-2's fused QKV and Mixtral's 3-D expert stacks."""
 
 import torch
+from conftest import TINY_MIXTRAL
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lmpretrain.config import OptimConfig
@@ -19,15 +20,7 @@ TINY = {
     },
     "gpt2": {"n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 16, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "attn_pdrop": 0.0},
-    "mixtral": {
-        "hidden_size": 32,
-        "intermediate_size": 24,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_local_experts": 3,
-        "num_experts_per_tok": 2,
-    },
+    "mixtral": TINY_MIXTRAL,
 }  # fmt: skip
 MODELS = tuple(TINY)
 

@@ -11,10 +11,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import conftest
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import recipe_runner as rr
 from lmpretrain.checkpoint.checkpointer import (
@@ -46,21 +47,10 @@ FORMATS = ["full", "sharded"]
 
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        attention_dropout=0.1,  # the forward pass draws from the torch RNG, so resume needs it restored
-    )
-    model = LlamaForCausalLM(config)
+    # attention dropout: the forward pass draws from the torch RNG, so resume needs it restored
+    model = conftest.tiny_llama(seed, attention_dropout=0.1)
     model.config._attn_implementation = "eager"
-    return model.train()
+    return model
 
 
 def adamw(model) -> torch.optim.Optimizer:

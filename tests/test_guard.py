@@ -181,3 +181,17 @@ def test_a_run_ends_refused_only_while_its_skips_are_non_finite():
     stalled.check_finished(3, 2.0)
     with pytest.raises(TrainingDiverged, match="the final evaluation at step 3 has loss nan"):
         stalled.check_finished(3, float("nan"))
+
+
+def test_checkpoints_are_held_back_while_updates_are_skipped_and_at_an_end_that_stalled():
+    """Periodic saves pause during any skip streak; the final save only while the streak is non-finite."""
+    g = guard(skip_spikes=True)
+    g.record(1, 2.0, 1.0, None)
+    assert g.checkpoint_due(10, every=5, final=False) and not g.checkpoint_due(11, every=5, final=False)
+    assert not g.checkpoint_due(10, every=0, final=False) and g.checkpoint_due(11, every=0, final=True)
+    g.record(2, 9.0, 1.0, SPIKE)  # a skipped spike: no periodic save, but the run may end saved
+    assert not g.checkpoint_due(10, every=5, final=False) and g.checkpoint_due(10, every=5, final=True)
+    g.record(3, NAN, NAN, NONFINITE)  # non-finite: neither
+    assert not g.checkpoint_due(10, every=5, final=True)
+    g.record(4, 2.0, 1.0, None)
+    assert g.checkpoint_due(10, every=5, final=False)

@@ -1,10 +1,10 @@
 """Loss normalisation over micro-batches, clipping, and fp16 loss scaling on a real transformers model."""
 
+import conftest
 import pytest
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from lmpretrain.model.loss import IGNORE_INDEX, causal_lm_loss_sum, count_targets, make_labels
 from lmpretrain.model.precision import MixedPrecision
@@ -13,18 +13,7 @@ VOCAB = 96
 
 
 def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(
-        "llama",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-    )
-    return AutoModelForCausalLM.from_config(cfg)
+    return conftest.tiny_llama(seed, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)
 
 
 def batch_with_uneven_ignores(seed=1, rows=8, seq=16):

@@ -12,6 +12,7 @@ import signal
 
 import pytest
 import torch
+from conftest import TINY_MIXTRAL
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import recipe_runner as rr
@@ -39,15 +40,7 @@ TINY = {
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
     },
-    "mixtral": {
-        "hidden_size": 32,
-        "intermediate_size": 24,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_local_experts": 3,
-        "num_experts_per_tok": 2,
-    },
+    "mixtral": TINY_MIXTRAL,
     "gpt_oss": {  # experts stored (experts, in, out) with per-expert bias stacks (experts, width)
         "hidden_size": 32,
         "intermediate_size": 24,

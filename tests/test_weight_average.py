@@ -2,27 +2,16 @@
 round trip through every checkpoint format, sync and async (in one process; the recipe's multi-process
 runs are in test_ema.py)."""
 
+import conftest
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from lmpretrain.checkpoint.checkpointer import Checkpointer
 from lmpretrain.update import WeightAverage
 
 
-def tiny_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).train()
+def tiny_llama(seed: int):
+    return conftest.tiny_llama(seed, num_hidden_layers=1)
 
 
 def step(model, optimizer) -> None:

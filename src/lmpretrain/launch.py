@@ -27,7 +27,7 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 def report_user_error(err: UserError) -> int:
     """Hand a user error's message to the launcher (torch elastic's error file) or print it; returns
-    the exit code. Called once, by the recipe's entry point."""
+    the exit code. Called once, by the recipe's entry point (run/runtime.py's exit_after)."""
     message = f"error: {err}"
     path = os.environ.get(ERROR_FILE_ENV)
     restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(

@@ -300,14 +300,15 @@ class Checkpointer:
 
     @classmethod
     def from_config(cls, output_dir, accelerator, checkpoint_cfg, announce=None) -> "Checkpointer":
-        """The checkpointer `checkpoint.keep_last/format/async_save` describe."""
+        """The checkpointer `checkpoint.keep_last/format/async_save` describe; it announces each committed
+        checkpoint through `announce`, by default the main process's print (accelerator.print)."""
         return cls(
             output_dir,
             accelerator,
             keep_last=checkpoint_cfg.keep_last,
             format=checkpoint_cfg.format,
             async_save=checkpoint_cfg.async_save,
-            announce=announce,
+            announce=announce or accelerator.print,
         )
 
     def _files(self, fmt: str, async_save: bool = False) -> Files:
@@ -530,6 +531,12 @@ class Checkpointer:
                 f"kills ranks {grace} s after SIGTERM: set TORCH_ELASTIC_SHUTDOWN_TIMEOUT={math.ceil(4 * total_s)} "
                 "in the launch environment so the save on SIGTERM can finish"
             )
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         """Release the writer's threads and process group (a pending save that was not committed stays a

@@ -161,6 +161,13 @@ class _StreamsDataset(IterableDataset):
 class TrainStream:
     """Endless training blocks, one `StepBlocks` per optimizer step, for one rank; see the module docstring."""
 
+    @classmethod
+    def from_config(cls, cfg, tokenizer, ramp: BatchRamp, rank: int, world_size: int) -> TrainStream:
+        """A run's stream on `rank` of `world_size`: cfg.data, the blocks `ramp` says, seeded by run.seed."""
+        return cls(
+            cfg.data, tokenizer, blocks_per_step=ramp, rank=rank, world_size=world_size, seed=cfg.run.seed
+        )
+
     def __init__(
         self,
         data: DataConfig,
@@ -398,6 +405,12 @@ class TrainStream:
         if self.num_workers:
             raise RuntimeError("records_read is only tracked with num_workers=0")
         return sum(b.records_read for b in self._dataset.block_streams.values()) if self._dataset else 0
+
+    def __enter__(self) -> TrainStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop the dataloader workers, if any, and close in-process readers."""

@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from lmpretrain.errors import PrecisionUnavailableError
+from lmpretrain.model.sharded_precision import check_sharded_precision
 
 DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -37,6 +38,26 @@ class MixedPrecision:
         self.scaler = torch.amp.GradScaler(self.device_type, init_scale=init_scale) if own_scaler else None
         if self.dtype is not None and not engine:
             self._check_autocast(device)
+
+    @classmethod
+    def from_config(cls, train, device: torch.device, engine: bool = False) -> MixedPrecision:
+        """The precision train.precision / train.loss_scale_init ask for (`engine`: under DeepSpeed)."""
+        return cls(train.precision, device, train.loss_scale_init, engine=engine)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the forward's matmuls run in: the autocast dtype, else float32 (for the MFU's peak)."""
+        return self.dtype or torch.float32
+
+    def check_prepared(self, model, optimizer, train, sharding: str) -> list[str]:
+        """After accelerator.prepare, the start-up line on what precision really runs where a wrapper owns
+        it: FSDP2's mixed-precision policy (every rank: the check runs a forward of a few tokens) or the
+        DeepSpeed engine's weights; none otherwise."""
+        if sharding.startswith("fsdp2"):
+            return [check_sharded_precision(model, optimizer, train)]
+        if sharding.startswith("deepspeed"):
+            return [self.check_engine_weights(model)]
+        return []
 
     def check_engine_weights(self, model) -> str:
         """Under DeepSpeed: refuse a silent fp32 run (the engine casts the weights it trains); returns

@@ -2,9 +2,9 @@
 downstream tasks (lm-evaluation-harness, imported only when a run has tasks)."""
 
 from lmpretrain.observe.console import ConsoleWarnings, StepLog, format_log_line
-from lmpretrain.observe.evaluation import Evaluator, generate_sample
+from lmpretrain.observe.evaluation import Evaluator, evaluate_all, generate_sample
 from lmpretrain.observe.flops import MFUMeter
-from lmpretrain.observe.metrics import step_metrics
+from lmpretrain.observe.metrics import StepMetrics
 from lmpretrain.observe.profiler import StepProfiler
 from lmpretrain.observe.tasks import TaskSuite
 from lmpretrain.observe.tracking import Tracker, wandb_log_with
@@ -14,11 +14,12 @@ __all__ = [
     "Evaluator",
     "MFUMeter",
     "StepLog",
+    "StepMetrics",
     "StepProfiler",
     "TaskSuite",
     "Tracker",
+    "evaluate_all",
     "format_log_line",
     "generate_sample",
-    "step_metrics",
     "wandb_log_with",
 ]

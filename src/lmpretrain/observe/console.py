@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from lmpretrain.progress import step_bar
 from lmpretrain.update.guard import NONFINITE, OVERFLOW, SPIKE, LossWindow
 
 
@@ -151,6 +152,21 @@ class StepLog:
     def __init__(self, tracker, progress, every: int, max_steps: int, main: bool):
         self.tracker, self.progress, self.main = tracker, progress, main
         self.every, self.max_steps = every, max_steps
+
+    @classmethod
+    def for_run(cls, tracker, cfg, start_step: int, main: bool) -> StepLog:
+        """A run's step log (logging.every) with its step bar, from `start_step` to train.max_steps."""
+        progress = step_bar(total=cfg.train.max_steps, initial=start_step, enabled=main)
+        return cls(tracker, progress, cfg.logging.every, cfg.train.max_steps, main)
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.progress.close()
 
     def __call__(self, step: int, metrics: Mapping[str, Any], terms: Iterable[str] = ()) -> None:
         self.tracker.log(metrics, step=step)

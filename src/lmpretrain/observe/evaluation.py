@@ -78,6 +78,17 @@ class Evaluator:
         return metrics
 
 
+def evaluate_all(model, step: int, evaluator: Evaluator, tasks, ema=None) -> dict:
+    """An evaluation at `step`: the held-out scores, and eval.tasks when due (eval.tasks_every:
+    lm-evaluation-harness on the live model, every rank); with an EMA the same scores of the average,
+    swapped into the model and back (eval/ema/*)."""
+    metrics = evaluator(model)
+    metrics.update(tasks.run_if_due(model, step))
+    if ema:
+        metrics.update(ema.evaluate(model, lambda: {**evaluator(model), **tasks.run_if_due(model, step)}))
+    return metrics
+
+
 def target_bytes(blocks: torch.Tensor, tokenizer) -> int:
     """UTF-8 bytes of the text encoded by the targets of `blocks` (each block's tokens after its first),
     special tokens excluded; the denominator of eval/bpb."""

@@ -412,6 +412,13 @@ class Tracker:
             )
             self._send({SAMPLES_TABLE_KEY: table}, int(step))
 
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        """The W&B run ends failed (exit code 1) when the run ends on an exception."""
+        self.finish(exit_code=1 if exc_type else 0)
+
     def finish(self, exit_code: int | None = None) -> None:
         """Close the files and finish the W&B run (idempotent; does not end accelerate's training)."""
         if self._finished:

@@ -8,6 +8,7 @@ from lmpretrain.run.fingerprint import check_fingerprint, run_fingerprint
 from lmpretrain.run.oom_retry import halve_on_oom
 from lmpretrain.run.preemption import PreemptionHandler
 from lmpretrain.run.provenance import provenance
+from lmpretrain.run.resume import check_resume, resumed
 from lmpretrain.run.rng import LoopRNG
 from lmpretrain.run.runlock import run_lock
 from lmpretrain.run.stall_watch import StallWatch
@@ -23,9 +24,11 @@ __all__ = [
     "TrainState",
     "check_fingerprint",
     "check_replicas_identical",
+    "check_resume",
     "halve_on_oom",
     "provenance",
     "read_step",
+    "resumed",
     "run_fingerprint",
     "run_lock",
     "runtime",

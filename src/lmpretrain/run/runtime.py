@@ -16,6 +16,7 @@ import atexit
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -33,7 +34,8 @@ from accelerate.utils import (
 from torch.nn.parallel import DistributedDataParallel
 
 from lmpretrain.config import derive_accumulation
-from lmpretrain.errors import LaunchError
+from lmpretrain.errors import LaunchError, UserError
+from lmpretrain.launch import report_user_error
 from lmpretrain.run.preemption import watch_launcher
 from lmpretrain.run.process_group import process_group_kwargs, restart_count
 
@@ -60,6 +62,15 @@ class RuntimeInfo:
             f"world_size={self.world_size} distributed_type={self.distributed_type} backend={self.backend} "
             f"device={self.device} threads/process={self.threads} sharding={self.sharding}"
         )
+
+    def startup_lines(self) -> list[str]:
+        """The run's first lines: the processes, and on a restart which one it is."""
+        lines = [self.describe()]
+        if self.restarts:  # torch elastic restarted every rank after one failed (launch --max_restarts)
+            lines.append(
+                f"restart {self.restarts} of at most {self.max_restarts}: resuming the last complete checkpoint"
+            )
+        return lines
 
 
 def has_accelerator() -> bool:
@@ -349,6 +360,31 @@ def setup(
     used = configure_threads(threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     set_seed(seed)  # same seed on every rank: identical init, DDP would broadcast rank 0's anyway
     return accelerator, describe_runtime(accelerator, used)
+
+
+def setup_from_config(cfg, log_with=None) -> tuple[Accelerator, RuntimeInfo]:
+    """`setup` with a run config's settings: cfg.train, run.threads, run.seed, run.collective_timeout_s."""
+    return setup(cfg.train, cfg.run.threads, cfg.run.seed, log_with, timeout_s=cfg.run.collective_timeout_s)
+
+
+def announcer(accelerator):
+    """The recipe's `say(*lines)`: each line printed as `[lmpretrain] line`, on the main process only."""
+
+    def say(*lines: str) -> None:
+        for line in lines:
+            accelerator.print(f"[lmpretrain] {line}")
+
+    return say
+
+
+def exit_after(run: Callable[[], object]) -> NoReturn:
+    """Call `run`, then exit the process: 0, or for a UserError (a problem to fix, not a bug) its one
+    message and exit code 2, no traceback (see exit_process: a clean exit that gloo's threads cannot abort)."""
+    try:
+        run()
+    except UserError as err:
+        exit_process(report_user_error(err))
+    exit_process(0)
 
 
 def exit_process(code: int) -> NoReturn:

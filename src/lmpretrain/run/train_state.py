@@ -21,6 +21,12 @@ class TrainState:
     rolled_back_tokens: int = 0
     """The tokens of those steps (a train.batch_ramp gives steps of different sizes)."""
 
+    def count_step(self, stepped: bool, tokens: int) -> None:
+        """One optimizer step done: its global batch's `tokens` read, its update applied or skipped."""
+        self.skipped_steps += not stepped
+        self.step += 1
+        self.tokens_seen += tokens
+
     def record_eval(self, loss: float) -> None:
         """Note an eval run at the current step (and the best loss so far)."""
         self.eval_loss, self.eval_step = loss, self.step

@@ -123,6 +123,13 @@ class UpdateGuard:
         (a skipped loss spike is the guard working, not a stalled run)."""
         return self.nonfinite > 0
 
+    def checkpoint_due(self, step: int, every: int, final: bool) -> bool:
+        """Whether step `step` saves a checkpoint: every `every` steps (0: never) and at the end. Not
+        periodically while updates are skipped, nor at the end while they are non-finite: a diverging run
+        must not rotate its last good checkpoints out for copies of the weights it stalled on."""
+        periodic = bool(every) and step % every == 0 and not self.consecutive
+        return periodic or (final and not self.stalled)
+
     def check_finished(self, step: int, eval_loss: float | None) -> None:
         """At the end of the run, before anything is exported: raise TrainingDiverged when the last
         updates were being skipped as non-finite (a streak shorter than train.max_skipped_steps that the

@@ -18,30 +18,18 @@ from lmpretrain.update.guard import SPIKE
 class SpikeRollback:
     """``wanted(skipped)`` says whether a step's skip reason asks for a rollback; ``__call__`` makes it.
 
-    ``states`` are the checkpointer's states (the recipe's dict), ``data`` the training stream (its
-    position is this run's, not the checkpoint's), ``rng`` the loop's LoopRNG, ``averages`` the
-    weight averages (an EMA), ``ramp`` the BatchRamp
-    that says each step's blocks (data/batch_ramp.py), ``seq_len`` a block's tokens."""
+    ``states`` are the checkpointer's states (the recipe's dict): ``states["data"]`` wraps the training
+    stream (its position is this run's, not the checkpoint's), ``states["rng"]`` the loop's LoopRNG;
+    ``averages`` the weight averages (an EMA), ``ramp`` the BatchRamp that says each step's blocks
+    (data/batch_ramp.py) of ``ramp.seq_len`` tokens."""
 
-    def __init__(
-        self,
-        train_cfg,
-        checkpointer,
-        *,
-        model,
-        optimizer,
-        states,
-        data,
-        rng,
-        ramp,
-        seq_len: int,
-        averages=None,
-    ):
+    def __init__(self, train_cfg, checkpointer, *, model, optimizer, states, ramp, averages=None):
         self.enabled = train_cfg.on_spike == "rollback"
         self.max_rollbacks = train_cfg.max_rollbacks
         self.checkpointer, self.model, self.optimizer = checkpointer, model, optimizer
         self.states = {name: obj for name, obj in states.items() if name != "data"}
-        self.data, self.rng, self.ramp, self.seq_len = data, rng, ramp, seq_len
+        self.data, self.rng = states["data"].obj, states["rng"].obj
+        self.ramp, self.seq_len = ramp, ramp.seq_len
         self.averages = averages or {}  # the EMA rolls back with the weights
 
     def wanted(self, skipped: str | None) -> bool:
@@ -91,11 +79,3 @@ class SpikeRollback:
             f"{back_to + 1}-{spike} ({n} steps, {tokens:,} tokens) is skipped, never trained on "
             f"(rollback {state.rollbacks} of at most {self.max_rollbacks})"
         )
-
-    def counters(self, state) -> dict:
-        """The metrics of a run's rollbacks so far."""
-        return {
-            "train/rollbacks": state.rollbacks,
-            "train/rolled_back_steps": state.rolled_back_steps,
-            "train/rolled_back_tokens": state.rolled_back_tokens,
-        }

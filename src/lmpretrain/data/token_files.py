@@ -67,7 +67,6 @@ class TokenFiles:
         self.format, self.dtype, self.add_bos = first.format, first.dtype, first.add_bos
         self.tokenizer_name, self.tokenizer_hash = first.tokenizer, first.tokenizer_hash
         self.shards = [s for layout in self.layouts for s in layout.shards]
-        self._bins = [s.bin for s in self.shards]
         self.shard_tokens = np.array([s.tokens for s in self.shards], dtype=np.int64)
         self.shard_docs = np.array([s.documents for s in self.shards], dtype=np.int64)
         # Where each shard starts in the source's logical stream (the shards back to back).
@@ -111,12 +110,8 @@ class TokenFiles:
         want = out.nbytes
         got = os.preadv(self._fd(path), [memoryview(out).cast("B")], offset) if want else 0
         if got != want:
-            raise self._truncated(path, got, want)
+            raise DataError(f"token file {path} ended early (read {got} of {want} bytes): it was truncated")
         return out
-
-    @staticmethod
-    def _truncated(path: str, got: int, want: int) -> DataError:
-        return DataError(f"token file {path} ended early (read {got} of {want} bytes): it was truncated")
 
     def read(self, shard: int, start: int, out: np.ndarray) -> np.ndarray:
         """Fill `out` (of self.dtype) with the shard's tokens from `start`."""
@@ -137,23 +132,15 @@ class TokenFiles:
         """Blocks of seq_len tokens at `starts` (positions in the logical stream) as an int32 array."""
         starts = np.asarray(starts, dtype=np.int64) % self.tokens
         shards = np.searchsorted(self.starts, starts, side="right") - 1
-        offsets = starts - self.starts[shards]
-        inside = offsets + seq_len <= self.shard_tokens[shards]
+        inside = starts + seq_len <= self.starts[shards + 1]
         buf = np.empty((len(starts), seq_len), dtype=self.dtype)
-        # The common case (the block inside one shard) is one pread into the block's row, written out here
-        # rather than through read(): under the global shuffle nearly every block is in another shard, and
-        # per-block Python calls cost as much as the read itself.
-        rows, width, size = memoryview(buf).cast("B"), seq_len * self.dtype.itemsize, self.dtype.itemsize
-        bins = self._bins
-        for row, (start, shard, offset, whole) in enumerate(
-            zip(starts.tolist(), shards.tolist(), offsets.tolist(), inside.tolist(), strict=True)
+        for row, (start, shard, whole) in enumerate(
+            zip(starts.tolist(), shards.tolist(), inside.tolist(), strict=True)
         ):
-            if not whole:
+            if whole:  # the common case: one read
+                self.read(shard, start - int(self.starts[shard]), buf[row])
+            else:
                 self.read_span(start, buf[row])
-                continue
-            got = os.preadv(self._fd(bins[shard]), [rows[row * width : (row + 1) * width]], offset * size)
-            if got != width:
-                raise self._truncated(bins[shard], got, width)
         out = buf.astype(np.int32)
         if self.vocab is not None and len(out) and int(out.max()) >= self.vocab:
             raise self._outside(int(out.max()))

@@ -21,7 +21,7 @@
 * prepare:    tokens/s of scripts/prepare_data.py (the datatrove pipeline) on --prepare-shards train shards of
   the default corpus with 1 and 2 tasks; with --baseline CHECKOUT, that checkout's writer with --processes 1
   and 2 too, one after the other in this command (e.g. --baseline /path/to/an/older/lmpretrain).
-* shards:     the same token stream as 75 shards (the default corpus' token files) and re-cut into 2,000 shards:
+* shards:     the same token stream as the default corpus' token files (32 shards) and re-cut into 2,000 shards:
   one data worker's tokens/s (num_workers=1, 256 blocks per step) and the loader's peak RSS on each (the
   2,000 shards open at most data.max_open_files descriptors per process, and no document index is cached).
 * mixing:     the mixing statistics of the default recipe's first --mixing-steps steps. Each block's source
@@ -571,9 +571,10 @@ def main() -> None:
     if "shards" in args.what:
         one = stdlib_token_files(work)
         many = resharded_token_files(one, 2000, work / "stdlib-tokens-2000-shards")
-        rates, peaks = [], []
+        rates, peaks, counts = [], [], []
         for folder in (one, many):
             n = len(json.loads((folder / "tokens.json").read_text())["shards"])
+            counts.append(n)
             r = run_child("token-throughput", str(folder), "1", str(args.token_steps // 8), "256")
             m = run_child("token-rss", str(folder), str(args.token_rss_steps))
             rates.append(r["tokens_per_s"])
@@ -583,7 +584,9 @@ def main() -> None:
                 f"{r['tokens_per_s']:,.0f} tokens/s over {r['steps']} steps; loader peak RSS "
                 f"({args.token_rss_steps} steps of {BLOCKS} blocks) {m['peak_rss_mb']:,.0f} MB"
             )
-        print(f"2000 / 75 shards: tokens/s {rates[1] / rates[0]:.3f}, peak RSS {peaks[1] / peaks[0]:.3f}")
+        print(
+            f"{counts[1]} / {counts[0]} shards: tokens/s {rates[1] / rates[0]:.3f}, peak RSS {peaks[1] / peaks[0]:.3f}"
+        )
     if "mixing" in args.what:
         if args.rows:
             import numpy as np

@@ -231,8 +231,8 @@ def pytest_collection_modifyitems(config, items):
     per_file: dict[str, float] = {}
     for item in items:
         seconds = known.get(item.nodeid, _UNKNOWN_S[item.get_closest_marker("slow") is not None])
-        per_file[item.nodeid.split("::")[0]] = per_file.get(item.nodeid.split("::")[0], 0.0) + seconds
-    items.sort(key=lambda item: -per_file[item.nodeid.split("::")[0]])  # stable: a file's tests stay in order
+        per_file[item.location[0]] = per_file.get(item.location[0], 0.0) + seconds
+    items.sort(key=lambda item: -per_file[item.location[0]])  # stable: a file's tests stay in order
 
 
 # ---- per-test CPU time (LMPRETRAIN_TEST_CPU_LOG=path): load-insensitive suite timing -------------------------

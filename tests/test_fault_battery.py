@@ -46,19 +46,28 @@ def sole_error(output: str) -> str:
     return errors[0]
 
 
+def interrupted(out, log_path, args, at_step: int, act, timeout: float) -> tuple[int, str]:
+    """Start a one-process run, call `act(proc)` once step `at_step` is logged, wait for the run to end:
+    its exit code and output."""
+    with open(log_path, "w+") as log:
+        proc = rr.start(out, *args, launch=None, log=log)
+        try:
+            rr.wait_for_step(proc, out, at_step)
+            act(proc)
+            proc.wait(timeout=timeout)
+        finally:
+            proc.kill()
+        log.seek(0)
+        return proc.returncode, log.read()
+
+
 def test_sigterm_as_an_async_save_starts_saves_stops_and_resumes_bit_identically(tmp_path, straight):
     out = tmp_path / "run"
-    log = (tmp_path / "log.txt").open("w+")
-    proc = rr.start(out, *STEPS, launch=None, log=log)
-    try:
-        rr.wait_for_step(proc, out, 4)  # step 4 is logged just before its background save starts
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    finally:
-        proc.kill()
-    log.seek(0)
-    output = log.read()
-    assert proc.returncode == 0, output[-3000:]
+    # step 4 is logged just before its background save starts
+    code, output = interrupted(
+        out, tmp_path / "log.txt", STEPS, 4, lambda p: p.send_signal(signal.SIGTERM), 120
+    )
+    assert code == 0, output[-3000:]
     stopped_at = int(output.split("stopped by signal after step ")[1].split(";")[0])
     assert 4 <= stopped_at < 12
     # the save in flight was committed (not lost), then the stop's own; nothing half-written remains
@@ -110,18 +119,11 @@ def test_a_token_shard_truncated_mid_run_ends_naming_it_with_the_checkpoints_com
     write_token_files(SourceSpec(files=paths), load_tokenizer("builtin:python-stdlib"), tmp_path / "tok")
     shard = sorted((tmp_path / "tok").glob("*.bin"))[0]
     out = tmp_path / "run"
-    log = (tmp_path / "log.txt").open("w+")
     data = [f"--data.train=[{{files: [{tmp_path / 'tok'}]}}]", f"--data.eval=[{{files: [{val[0]}]}}]"]
-    proc = rr.start(out, *STEPS, "--train.max_steps=200", *data, launch=None, log=log)
-    try:
-        rr.wait_for_step(proc, out, 5)  # after step 4's checkpoint
-        shard.write_bytes(b"")  # truncated while the run reads it (a failed copy, a full disk)
-        proc.wait(timeout=300)
-    finally:
-        proc.kill()
-    log.seek(0)
-    output = log.read()
-    assert proc.returncode == 2, output[-3000:]
+    args = [*STEPS, "--train.max_steps=200", *data]
+    # after step 4's checkpoint the shard is truncated while the run reads it (a failed copy, a full disk)
+    code, output = interrupted(out, tmp_path / "log.txt", args, 5, lambda _: shard.write_bytes(b""), 300)
+    assert code == 2, output[-3000:]
     error = sole_error(output)
     assert error.startswith(f"error: token file {shard} ended early (read 0 of "), error
     saved = checkpoints(out)

@@ -73,10 +73,11 @@ def test_datatrove_folders_train_with_the_global_shuffle_and_resume_exactly(writ
     folder = written["megatron" if kind.startswith("megatron") else kind]
     path = str(folder / "00000_tokens") if kind == "megatron-prefix" else str(folder)
     source = [SourceSpec(files=[path])]  # no format: inferred
-    kw = dict(blocks_per_step=4, num_streams=4, seq_len=SEQ, add_bos=False)
+    # data.add_bos unset: the folder's framing (no BOS), although this tokenizer has a distinct BOS.
+    kw = dict(blocks_per_step=4, num_streams=4, seq_len=SEQ)
     ts = make(source, small_tokenizer, **kw)
     label = {"ds": "datatrove token files (.ds)"}.get(kind, "Megatron indexed dataset (.bin/.idx)")
-    assert ts.shuffle == "global" and label in ts.describe()
+    assert ts.shuffle == "global" and label in ts.describe() and ts.add_bos is False
     stream = stream_of(folder, "ds" if kind == "ds" else "megatron")
     if kind == "megatron-prefix":
         stream = np.fromfile(f"{path}.bin", dtype="<u2")
@@ -101,6 +102,19 @@ def test_datatrove_documents_read_back_as_the_texts(written, small_tokenizer):
         [src] = open_sources([SourceSpec(files=[str(written[kind])])], small_tokenizer)
         docs = [small_tokenizer.decode(u.value) for p in src.pieces(4) for u in src.read(p, None)]
         assert Counter(docs) == texts and src.token_files.add_bos is False
+
+
+def test_token_sources_framed_differently_need_add_bos_stated(written, small_tokenizer, tmp_path):
+    """Unset, data.add_bos follows the token files; when they disagree the run cannot pick one."""
+    from test_token_files import prepare
+
+    ours = prepare(tmp_path, small_tokenizer)  # BOS before each document
+    mixed = [SourceSpec(files=[str(written["ds"])]), SourceSpec(files=[str(ours)])]
+    with pytest.raises(
+        DataError, match=r"different add_bos \(.*add_bos=False, .*add_bos=True\); set data.add_bos"
+    ):
+        make(mixed, small_tokenizer, seq_len=SEQ)
+    assert make([mixed[1]], small_tokenizer, seq_len=SEQ).add_bos is True
 
 
 def test_refusals_name_the_fix(written, small_tokenizer, tmp_path):

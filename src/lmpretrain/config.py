@@ -153,8 +153,9 @@ class DataConfig:
     micro-batch as one row). Checked at start-up on three packed documents; refused for models that
     cannot do it. Evaluation masks the same way."""
     add_bos: bool | None = None
-    """BOS before each document; null = true when the tokenizer has a BOS token distinct from EOS (the
-    builtin one has). Recorded in the resume fingerprint."""
+    """BOS before each document; null = as the run's token files were prepared (datatrove's own have none)
+    or, with no token files, true when the tokenizer has a BOS token distinct from EOS (the builtin one
+    has). The held-out set is framed the same way. Recorded in the resume fingerprint."""
     epoch_offset: bool = True
     """Global shuffle: each epoch's block grid starts at a seeded offset in [0, seq_len) of the source's
     token stream (a function of seed, source and epoch), so epochs see new block boundaries; false = every

@@ -37,10 +37,13 @@ MIN_DOCUMENTS = 16  # a document gives at most 1/MIN_DOCUMENTS of the set when t
 READ_LIMIT = 1 << 22
 
 
-def heldout_blocks(data: DataConfig, tokenizer, *, num_blocks: int, progress: bool = False) -> torch.Tensor:
-    """`num_blocks` packed `data.seq_len` blocks of `data.eval` (see the module docstring for which tokens).
+def heldout_blocks(
+    data: DataConfig, tokenizer, *, num_blocks: int, add_bos: bool | None = None, progress: bool = False
+) -> torch.Tensor:
+    """`num_blocks` packed `data.seq_len` blocks of `data.eval` (see the module docstring for which tokens),
+    framed as `add_bos` says (the training stream's: `TrainStream.encoder.add_bos`; default data.add_bos).
     `progress`: draw a bar (pass True on the main process only)."""
-    encoder = Encoder(tokenizer, data.add_bos)
+    encoder = Encoder(tokenizer, data.add_bos if add_bos is None else add_bos)
     sources = open_sources(data.eval, tokenizer, load_transforms(data.transforms), data.max_open_files)
     need = num_blocks * data.seq_len
     cap = max(data.seq_len, need // MIN_DOCUMENTS)

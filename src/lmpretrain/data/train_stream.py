@@ -158,6 +158,22 @@ class _StreamsDataset(IterableDataset):
             yield err
 
 
+
+def prepared_add_bos(add_bos: bool | None, sources: list[Source]) -> bool | None:
+    """data.add_bos left null follows the token files the run trains on (a datatrove folder has no BOS
+    unless its tokenizer's template adds one), so their framing is every source's and the held-out set's;
+    token files that disagree need the setting stated. Without token files: the tokenizer decides."""
+    if add_bos is not None:
+        return add_bos
+    found = {src.label: src.token_files.add_bos for src in sources if src.token_files is not None}
+    if len(set(found.values())) > 1:
+        listed = ", ".join(f"{label}: add_bos={value}" for label, value in found.items())
+        raise DataError(
+            f"the token sources were prepared with different add_bos ({listed}); set data.add_bos "
+            "(sources prepared otherwise are then refused) or prepare them again alike"
+        )
+    return next(iter(found.values()), None)
+
 class TrainStream:
     """Endless training blocks, one `StepBlocks` per optimizer step, for one rank; see the module docstring."""
 
@@ -191,9 +207,10 @@ class TrainStream:
                     )
         if problems:
             raise DataError("invalid data settings:\n  - " + "\n  - ".join(problems))
-        self.encoder = Encoder(tokenizer, data.add_bos)  # checks EOS/BOS before reading any data
+        Encoder(tokenizer, data.add_bos)  # checks EOS/BOS before reading any data
         self.transforms = load_transforms(data.transforms)  # a fork's document filters (data/transforms.py)
         self.sources = open_sources(data.train, tokenizer, self.transforms, data.max_open_files)
+        self.encoder = Encoder(tokenizer, prepared_add_bos(data.add_bos, self.sources))
         self.specs = [src.spec for src in self.sources]
         self.source_ids = list(range(len(self.sources)))  # seeds of their piece orders (data/mixture.py)
         self.source_names = mixture.metric_names(self.specs)
@@ -375,6 +392,11 @@ class TrainStream:
                     s: mixture.restart_at_frontier(st, state["mixture"], keys)
                     for s, st in self._states.items()
                 }
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether documents start with BOS, as the run frames them (data.add_bos, or its token files')."""
+        return self.encoder.add_bos
 
     def fingerprint(self) -> dict:
         """What the stream depends on. world_size and num_workers are informational: resuming across them is exact."""

@@ -10,6 +10,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +115,22 @@ def run(
     config=SMOKE,
     launcher=None,
     recipe=RECIPE,
+    fork=True,
 ) -> Run:
+    """One run of the recipe; `fork=False` (or a `launcher`) starts it as a new process tree, as a user's
+    shell would, where the test is about the launch itself."""
+    if fork and launcher is None:
+        return forked_run(
+            out_dir,
+            *overrides,
+            launch=launch,
+            launch_args=launch_args,
+            env=env,
+            timeout=timeout,
+            check=check,
+            config=config,
+            recipe=recipe,
+        )
     cmd = command(
         out_dir,
         *overrides,
@@ -137,28 +154,156 @@ def run_command(cmd: list[str], out_dir, *, env=None, timeout=600, check=True) -
         text=True,
         timeout=timeout,
     )
-    result = Run(Path(out_dir), proc.returncode, proc.stdout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"recipe exited {proc.returncode}:\n{proc.stdout[-6000:]}")
+    return _result(Run(Path(out_dir), proc.returncode, proc.stdout), check)
+
+
+def _result(result: Run, check: bool) -> Run:
+    if check and result.returncode != 0:
+        raise AssertionError(f"recipe exited {result.returncode}:\n{result.output[-6000:]}")
     return result
 
 
-def run_in_one_process(arg_lists: list[list[str]], timeout=600, env=None) -> list[str]:
-    """Run the recipe once per argument list, all in one process (tests/run_in_one_process.py: one
-    interpreter start-up for all); returns each run's output and fails unless every run went through.
-    `timeout` is per run, as each would have had on its own."""
-    script = ROOT / "tests" / "run_in_one_process.py"
-    output = run_command(
-        [sys.executable, str(script), *map(json.dumps, arg_lists)],
-        ROOT,
-        env=env,
-        timeout=timeout * len(arg_lists),
-    ).output
-    logs = output.split("=== run ")[1:]
-    assert len(logs) == len(arg_lists) and all(f"=== ok {i}" in log for i, log in enumerate(logs)), output[
-        -6000:
-    ]
-    return logs
+class ForkServer:
+    """This pytest worker's tests/fork_server.py: runs start as forks of a process that has imported
+    everything already (a launch costs ~1 CPU-s instead of ~15 per rank plus the launcher)."""
+
+    def __init__(self):
+        self.logs = Path(tempfile.mkdtemp(prefix="lmpretrain-forks-"))
+        self.count, self.lock = 0, threading.Lock()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "fork_server.py")],
+            cwd=ROOT,
+            env=env_for_runs(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        ready = self.proc.stdout.readline()
+        assert ready.startswith('{"ready"'), f"the fork server did not start: {ready!r}"
+
+    def start(self, launch, launch_args, recipe, args, env, log=None) -> ForkedProcess:
+        with self.lock:
+            self.count += 1
+            name = self.logs / f"{self.count}.log"
+        request = {
+            "launch": launch and str(ROOT / "configs" / "accelerate" / f"{launch}.yaml"),
+            "launch_args": list(launch_args),
+            "recipe": str(recipe),
+            "args": list(args),
+            "env": env_for_runs(env),
+            "cwd": str(ROOT),
+            "log": str(log or name),
+        }
+        with self.lock:  # tests start runs from threads too: one request and its reply at a time
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            pid = json.loads(self.proc.stdout.readline())["pid"]
+        return ForkedProcess(pid, Path(request["log"]))
+
+
+class ForkedProcess:
+    """A forked run, with what the tests use of subprocess.Popen (poll, wait, returncode). Signals go
+    through kill_tree: to the run's whole process group, as a dying node or a scheduler does."""
+
+    def __init__(self, pid: int, log: Path):
+        self.pid, self.log, self.returncode = pid, log, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            rc = Path(f"{self.log}.rc")
+            if rc.exists():
+                status = json.loads(rc.read_text())
+                global FORKED_CPU_S
+                FORKED_CPU_S += status["cpu_s"]
+                self.returncode = status["code"]
+            elif not _alive(self.pid):  # killed before it could write its status
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.log), timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # the fork server reaps its forks at once: an ended run's pid is gone
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# CPU seconds of every forked run so far (not this process's children: the fork server's), for the CPU log.
+FORKED_CPU_S = 0.0
+_SERVER: ForkServer | None = None
+
+
+_STARTING = threading.Lock()
+
+
+def _server() -> ForkServer:
+    global _SERVER
+    with _STARTING:
+        if _SERVER is None or _SERVER.proc.poll() is not None:
+            _SERVER = ForkServer()
+        return _SERVER
+
+
+def start_forked(
+    out_dir, *overrides, launch="cpu", launch_args=(), env=None, config=SMOKE, recipe=RECIPE, log=None
+) -> ForkedProcess:
+    """`start()` as a fork of this worker's fork server instead of a new `accelerate launch`; `log`: a
+    path (or an open file's) that receives the run's output."""
+    if launch is not None and "--main_process_port" not in launch_args:
+        launch_args = [*launch_args, "--main_process_port", str(free_port())]
+    args = [str(config), f"--run.output_dir={out_dir}", *overrides]
+    return _server().start(launch, launch_args, recipe, args, env, getattr(log, "name", log))
+
+
+def forked_run(
+    out_dir,
+    *overrides,
+    launch="cpu",
+    launch_args=(),
+    env=None,
+    timeout=600,
+    check=True,
+    config=SMOKE,
+    recipe=RECIPE,
+) -> Run:
+    """`run()`, started as a fork of this worker's fork server instead of a new `accelerate launch`."""
+    proc = start_forked(
+        out_dir, *overrides, launch=launch, launch_args=launch_args, env=env, config=config, recipe=recipe
+    )
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return _result(
+        Run(Path(out_dir), proc.returncode, proc.log.read_text() if proc.log.exists() else ""), check
+    )
+
+
+def run_each(arg_lists: list[list[str]], timeout=600, env=None) -> list[str]:
+    """`python recipes/pretrain.py ARGS` once per argument list (config first), one after the other, each
+    forked from the fork server; returns each run's output and fails unless every run went through.
+    `timeout` is per run."""
+    outputs = []
+    for args in arg_lists:
+        proc = _server().start(None, [], RECIPE, args, env)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        outputs.append(proc.log.read_text())
+        assert proc.returncode == 0, f"run {args} exited {proc.returncode}:\n{outputs[-1][-6000:]}"
+    return outputs
 
 
 def start(
@@ -191,6 +336,9 @@ def wait_for_step(proc: subprocess.Popen, out_dir, step: int, timeout: float = 3
 def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
     """Signal the launcher and every process under it at once, as a dying node or a scheduler's
     preemption does (torch elastic puts ranks in their own sessions, so a process-group kill misses them)."""
+    if isinstance(proc, ForkedProcess):
+        os.killpg(proc.pid, sig)  # its launcher fork and ranks are one process group
+        return
     import psutil
 
     root = psutil.Process(proc.pid)

@@ -89,7 +89,7 @@ def test_one_big_text_file_trains_and_resumes_bit_identically_after_kill_9(big_t
         in (straight.output)
     )
     out = tmp_path / "killed"
-    proc = rr.start(out, source, *RUN)
+    proc = rr.start_forked(out, source, *RUN)
     rr.wait_for_step(proc, out, 12)
     rr.kill_tree(proc, signal.SIGKILL)
     proc.wait(timeout=120)

@@ -83,7 +83,7 @@ def test_zero2_kill_9_then_resume_is_bit_identical(tmp_path):
     straight = rr.run(tmp_path / "straight", *RESUMABLE, launch=DS, launch_args=TWO)
     out = tmp_path / "killed"
     with open(tmp_path / "killed.log", "w") as log:
-        proc = rr.start(out, *RESUMABLE, launch=DS, launch_args=TWO, log=log)
+        proc = rr.start_forked(out, *RESUMABLE, launch=DS, launch_args=TWO, log=log)
         rr.wait_for_step(proc, out, 8)
         rr.kill_tree(proc, signal.SIGKILL)
         proc.wait(timeout=120)

@@ -33,7 +33,7 @@ def singles(tmp_path_factory):
     args = [
         [str(rr.SMOKE), f"--run.output_dir={root / name}", *a] for name, a in (("ema", ONE), ("plain", plain))
     ]
-    logs = rr.run_in_one_process(args, timeout=TIMEOUT)
+    logs = rr.run_each(args, timeout=TIMEOUT)
     return [rr.Run(root / name, 0, log) for name, log in zip(("ema", "plain"), logs, strict=True)]
 
 
@@ -162,16 +162,14 @@ def test_resume_inside_a_stage_at_its_boundary_and_after_kill_9_is_bit_identical
             if int(c.name.split("-")[1]) > step:
                 shutil.rmtree(c)
         copies.append(out)
-    logs = rr.run_in_one_process(
-        [[str(rr.SMOKE), f"--run.output_dir={o}", *ONE] for o in copies], timeout=TIMEOUT
-    )
+    logs = rr.run_each([[str(rr.SMOKE), f"--run.output_dir={o}", *ONE] for o in copies], timeout=TIMEOUT)
     for out, log, step in zip(copies, logs, (2, 4), strict=True):
         assert f"at step {step}" in log
         assert_same_run(straight, rr.Run(out, 0, log))
 
     killed = tmp_path / "killed"
     with open(tmp_path / "killed.log", "w") as log:
-        proc = rr.start(killed, *ONE, launch=None, log=log)
+        proc = rr.start_forked(killed, *ONE, launch=None, log=log)
         rr.wait_for_step(proc, killed, 3, timeout=TIMEOUT)
         rr.kill_tree(proc, signal.SIGKILL)
         proc.wait(timeout=60)

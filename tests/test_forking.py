@@ -149,7 +149,7 @@ def test_a_custom_model_trains_resumes_bit_identically_after_kill_9_exports_and_
     assert "TinyBlockForCausalLM" in straight.output
     out = tmp_path / "killed"
     with open(tmp_path / "killed.log", "w") as log:
-        proc = rr.start(out, *args, config=config, log=log)
+        proc = rr.start_forked(out, *args, config=config, log=log)
         rr.wait_for_step(proc, out, 6)
         rr.kill_tree(proc, signal.SIGKILL)
         proc.wait(timeout=120)
@@ -198,7 +198,7 @@ def test_a_data_transform_trains_resumes_bit_identically_after_kill_9_and_a_chan
     assert "transforms: examples/data_transforms.py:keep_long_lowercased" in straight.output
     out = tmp_path / "killed"
     with open(tmp_path / "killed.log", "w") as log:
-        proc = rr.start(out, *args, log=log)
+        proc = rr.start_forked(out, *args, log=log)
         rr.wait_for_step(proc, out, 6)
         rr.kill_tree(proc, signal.SIGKILL)
         proc.wait(timeout=120)

@@ -142,7 +142,7 @@ def test_kill_9_during_async_saves_then_resume_is_bit_identical(fsdp_run, tmp_pa
     out = tmp_path / "killed"
     args = [*EXACT, "--checkpoint.async_save=true"]
     with open(tmp_path / "killed.log", "w") as log:
-        proc = rr.start(out, *args, launch=FSDP, log=log)
+        proc = rr.start_forked(out, *args, launch=FSDP, log=log)
         rr.wait_for_step(proc, out, 6, timeout=TIMEOUT)
         rr.kill_tree(proc, signal.SIGKILL)
         proc.wait(timeout=60)

@@ -64,7 +64,7 @@ def runs(tmp_path_factory, stdlib_cache):
         path = tmp / f"{model_type}.yaml"
         path.write_text(yaml.safe_dump(config))
         arg_lists.append([str(path), f"--run.output_dir={tmp / model_type}"])
-    outputs = rr.run_in_one_process(arg_lists)
+    outputs = rr.run_each(arg_lists)
     return {t: (tmp / t, out) for t, out in zip(MODEL_TYPES, outputs, strict=True)}
 
 

@@ -388,7 +388,7 @@ def test_fsdp2_trains_like_ddp_in_float64(fsdp, ddp):
 
 def killed_then_resumed(out, launch: str) -> tuple[int, rr.Run]:
     with open(out.parent / f"{out.name}.log", "w") as log:
-        proc = rr.start(out, *FSDP_RUN, launch=launch, log=log)
+        proc = rr.start_forked(out, *FSDP_RUN, launch=launch, log=log)
         rr.wait_for_step(proc, out, 6, timeout=TIMEOUT)
         rr.kill_tree(proc, signal.SIGKILL)
         proc.wait(timeout=60)

@@ -42,8 +42,8 @@ def smoke(tmp_path_factory):
 
 
 # The runs of the tests below that are about the training loop, not the launcher (the smoke run above is
-# the launched one): one process runs them all (tests/run_in_one_process.py), each exactly as
-# `python recipes/pretrain.py ARGS` would, without an interpreter start-up and an `accelerate launch` each.
+# the launched one): each is `python recipes/pretrain.py ARGS` forked from the fork server (rr.run_each),
+# without an interpreter start-up and an `accelerate launch` each.
 ACCUM = [
     *rr.QUICK,
     "--train.max_steps=6",
@@ -94,9 +94,7 @@ def loop_runs(smoke, tmp_path_factory):
         "fp16": FP16_OVERFLOW,
         "continued": continued,
     }
-    logs = rr.run_in_one_process(
-        [[str(rr.SMOKE), f"--run.output_dir={root / n}", *a] for n, a in plan.items()]
-    )
+    logs = rr.run_each([[str(rr.SMOKE), f"--run.output_dir={root / n}", *a] for n, a in plan.items()])
     return {name: rr.Run(root / name, 0, log) for name, log in zip(plan, logs, strict=True)}
 
 

@@ -31,7 +31,7 @@ def straight(tmp_path_factory):
 
 def interrupted_then_resumed(out, sig) -> tuple[int, rr.Run]:
     log = open(out.parent / f"{out.name}.log", "w")
-    proc = rr.start(out, *DDP_RUN, launch="cpu-ddp", log=log)
+    proc = rr.start_forked(out, *DDP_RUN, launch="cpu-ddp", log=log)
     rr.wait_for_step(proc, out, 10)
     rr.kill_tree(proc, sig)
     proc.wait(timeout=120)

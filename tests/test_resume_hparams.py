@@ -2,8 +2,8 @@
 extended, a wsd run annealed from its stable phase), and spike skipping resumes bit-exactly.
 
 One base run (wsd, spike skipping on a short window, checkpoints at steps 8, 16 and 20) is resumed four
-ways, each into its own output dir with `--run.resume=<checkpoint>`: the four resumed runs share one
-process (tests/run_in_one_process.py) to save three interpreter start-ups.
+ways, each into its own output dir with `--run.resume=<checkpoint>` (forked from the fork server,
+tests/fork_server.py: no interpreter start-up each).
 """
 
 import json
@@ -53,7 +53,7 @@ def resumed(base):
         + [f"--run.output_dir={base.out.parent / name}"]
         for name, (step, extra) in RESUMES.items()
     }
-    logs = rr.run_in_one_process(list(args.values()))
+    logs = rr.run_each(list(args.values()))
     return {
         name: (rr.Run(base.out.parent / name, 0, log), cfg)
         for (name, cfg), log in zip(args.items(), logs, strict=True)

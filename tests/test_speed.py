@@ -153,7 +153,7 @@ def test_document_masking_and_z_loss_are_on_and_logged(masked_straight):
 
 def test_kill_9_with_every_switch_on_resumes_bit_identically(masked_straight, tmp_path):
     out = tmp_path / "run"
-    proc = rr.start(out, *MASKED_1RANK, launch=None)
+    proc = rr.start_forked(out, *MASKED_1RANK, launch=None)
     rr.wait_for_step(proc, out, 6)
     rr.kill_tree(proc)
     proc.wait(timeout=60)

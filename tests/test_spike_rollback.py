@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import recipe_runner as rr
 from lmpretrain.data import load_tokenizer
 
-pytestmark = pytest.mark.slow  # end-to-end: two recipe runs in one process
+pytestmark = pytest.mark.slow  # end-to-end: two recipe runs
 
 STEP_TOKENS = 8 * 64
 CLEAN = [
@@ -59,7 +59,7 @@ def test_a_planted_spike_is_rolled_back_past_its_data_and_a_rerun_is_bit_identic
         "--train.on_spike=rollback",
     ]
     outs = [tmp_path / "run", tmp_path / "rerun"]
-    logs = rr.run_in_one_process([[*args, f"--run.output_dir={out}"] for out in outs])
+    logs = rr.run_each([[*args, f"--run.output_dir={out}"] for out in outs])
     lines = [line[line.index("the loss spiked") :] for line in logs[0].splitlines() if "rolled back" in line]
     assert lines == [
         "the loss spiked at step 16: rolled back to step-00000012 (step 12); the data of steps "

@@ -16,10 +16,10 @@ SHORT = [*rr.QUICK, "--train.max_steps=8", "--eval.every=4", "--checkpoint.every
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two runs with the same seed and one with another lr, all with an API key in the environment
-    (one process runs the three, each as `python recipes/pretrain.py` would)."""
+    (each as `python recipes/pretrain.py` runs it, forked: rr.run_each)."""
     root = tmp_path_factory.mktemp("compare")
     plan = {"seed-a": [], "seed-b": [], "lr-high": ["--optim.lr=1e-2"]}
-    logs = rr.run_in_one_process(
+    logs = rr.run_each(
         [[str(rr.SMOKE), f"--run.output_dir={root / name}", *SHORT, *extra] for name, extra in plan.items()],
         env={"WANDB_API_KEY": SECRET},
     )

@@ -148,7 +148,11 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     say(train_data.describe())
     eval_size = cfg.eval.batches * cfg.eval.batch_size  # blocks
     held_out = heldout_blocks(
-        cfg.data, tokenizer, num_blocks=eval_size, add_bos=train_data.add_bos, progress=accelerator.is_main_process
+        cfg.data,
+        tokenizer,
+        num_blocks=eval_size,
+        add_bos=train_data.add_bos,
+        progress=accelerator.is_main_process,
     )
     deepspeed, fsdp2 = info.sharding.startswith("deepspeed"), info.sharding.startswith("fsdp2")
     precision = MixedPrecision.from_config(cfg.train, accelerator.device, engine=deepspeed)

@@ -158,7 +158,6 @@ class _StreamsDataset(IterableDataset):
             yield err
 
 
-
 def prepared_add_bos(add_bos: bool | None, sources: list[Source]) -> bool | None:
     """data.add_bos left null follows the token files the run trains on (a datatrove folder has no BOS
     unless its tokenizer's template adds one), so their framing is every source's and the held-out set's;
@@ -173,6 +172,7 @@ def prepared_add_bos(add_bos: bool | None, sources: list[Source]) -> bool | None
             "(sources prepared otherwise are then refused) or prepare them again alike"
         )
     return next(iter(found.values()), None)
+
 
 class TrainStream:
     """Endless training blocks, one `StepBlocks` per optimizer step, for one rank; see the module docstring."""

@@ -24,7 +24,7 @@ import psutil
 import torch
 import torch.distributed as dist
 import yaml
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedType,
@@ -164,6 +164,10 @@ def _cpu_fsdp2_accelerator(train, log_with, timeout_s) -> Accelerator:
     if accelerator.distributed_type == DistributedType.MULTI_CPU:  # one process stays NO: refused later
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
+        # Also where every later AcceleratorState() copies it from (accelerate's GPU FSDP path does the
+        # same): otherwise the next one resets the type to MULTI_CPU, and accumulate() then takes its
+        # non-FSDP branch, reduce-scattering the gradients of every micro-batch instead of the last.
+        PartialState().distributed_type = DistributedType.FSDP
     return accelerator
 
 

@@ -249,6 +249,19 @@ def _simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool
         muon_comm: dict[str, float] = {}
         autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype is not None and not deepspeed)
         grads = 0
+        # torch's FSDPMemTracker gathers and reduces more than training does (its hooks re-run FSDP2's: a
+        # smoke-shaped step counted 2.5x the all-gather bytes of a real recipe run under it), so under FSDP2
+        # the micro-batches' collectives are counted on an untracked pass of the same micro-batches first.
+        untracked = launch.wrapping == "fsdp2"
+        if untracked:
+            for sync in kinds:
+                with _gradient_sync(model, launch, sync), CollectiveBytes() as counted:
+                    with autocast:
+                        terms = objective(model, ids, ids)
+                    weighted_sum(terms).backward()
+                for kind, value in counted.received.items():
+                    comm[kind] += (1 if sync else accum - 1) * value
+            model.zero_grad(set_to_none=True)
         with tracker:
             for sync in kinds:
                 repeats = 1 if sync else accum - 1
@@ -261,7 +274,7 @@ def _simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool
                         weighted_sum(terms).backward()
                 flops["forward"] += repeats * forward.get_total_flops()
                 flops["backward"] += repeats * backward.get_total_flops()
-                for kind, value in counted.received.items():
+                for kind, value in counted.received.items() if not untracked else ():
                     comm[kind] += repeats * value
         with CollectiveBytes() as counted:
             if cfg.train.max_grad_norm > 0:

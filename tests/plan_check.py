@@ -22,7 +22,8 @@ from lmpretrain.plan.simulate import simulate
 
 ACCELERATE = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
 # The recipe's own collectives of a step that the plan leaves out (observe/step_bytes.py): the target
-# count's all-reduce, the logged numbers' all-gather, under DDP a 76-byte broadcast (not traced): at 2 ranks tens of bytes.
+# count's all-reduce, the logged numbers' all-gather, under DDP a 76-byte broadcast (not traced): at 2
+# ranks tens of bytes.
 LOOP_BYTES = 1024
 
 

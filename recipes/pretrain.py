@@ -47,6 +47,7 @@ from lmpretrain.observe import (
     ConsoleWarnings,
     Evaluator,
     MFUMeter,
+    StepBytes,
     StepLog,
     StepMetrics,
     StepProfiler,
@@ -247,6 +248,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     step_metrics = StepMetrics(
         accelerator, meter, precision, max_norm, restarts=info.restarts, compiled=cfg.train.compile
     )
+    step_bytes = StepBytes(cfg.logging.bytes_at_step, model, optimizer, say)  # comm/*, memory/* of one step
     if state.step == 0 and cfg.eval.every:  # the baseline every curve starts from
         tracker.log({**run_eval(), "train/tokens_seen": 0}, step=0)
     while state.step < cfg.train.max_steps:
@@ -261,10 +263,11 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         input_ids = batch.input_ids.to(accelerator.device, non_blocking=True)
         labels = make_labels(input_ids, tokenizer.eos_token_id if cfg.train.mask_cross_doc_targets else None)
         host = {"stop": (preemption.received, "max"), **step_counters(batch), **straggler.host(t_data)}
-        step = halve_on_oom(  # 2.-6. forward, backward, sync, clip, update (out of memory: half the micro-batch)
-            train_step, model, optimizer, objective, input_ids, labels, train=cfg.train, say=say,
-            accelerator=accelerator, precision=precision, guard=guard, max_norm=max_norm, host=host,
-        )  # fmt: skip
+        with step_bytes.at(state.step + 1):  # 2.-6. forward, backward, sync, clip, update (OOM: halved)
+            step = halve_on_oom(
+                train_step, model, optimizer, objective, input_ids, labels, train=cfg.train, say=say,
+                accelerator=accelerator, precision=precision, guard=guard, max_norm=max_norm, host=host,
+            )  # fmt: skip
         state.count_step(step["stepped"], tokens=batch.input_ids.numel() * W)
         straggler.observe(state.step, step["host"])  # takes its times out of the step's host numbers
         if ema and step["stepped"]:
@@ -274,7 +277,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         if rollback.wanted(step["skipped"]):  # back to the last checkpoint, the data since it skipped
             say(rollback(state))
             batches = iter(train_data)
-        metrics = step_metrics(step, batch, state, lr, t_start, t_data)  # train/*, perf/*, data/*
+        metrics = step_metrics(step, batch, state, lr, t_start, t_data) | step_bytes.metrics()
         warnings.observe(state.step, metrics["train/loss"], metrics["train/clipped"], step["skipped"])
         final_step = state.step == cfg.train.max_steps
         if final_step or (cfg.eval.every and state.step % cfg.eval.every == 0):  # 7. evaluate

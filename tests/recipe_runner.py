@@ -27,6 +27,7 @@ ACCELERATE = Path(sys.executable).with_name("accelerate")
 QUICK = ["--eval.sample_tokens=0"]
 # Runs compared across launches: float64 so that a real normalisation bug is not hidden by fp32
 # summation-order noise, and each document's first target ignored so ignored tokens are uneven across ranks.
+# Step 2 is also counted (logging.bytes_at_step): bytes sent per collective kind and held per rank.
 EXACT = [
     *QUICK,
     "--train.max_steps=10",
@@ -36,6 +37,7 @@ EXACT = [
     "--train.param_dtype=float64",
     "--train.mask_cross_doc_targets=true",
     "--logging.wandb_mode=disabled",
+    "--logging.bytes_at_step=2",  # what step 2 sent and held on rank 0, for the planner's checks (plan_check.py)
 ]
 
 

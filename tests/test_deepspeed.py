@@ -9,6 +9,7 @@ import math
 import shutil
 import signal
 
+import plan_check
 import pytest
 import torch
 
@@ -77,6 +78,14 @@ def test_zero2_holds_half_the_optimizer_state_per_rank(zero2, two_ranks_accum2):
         assert all(s["exp_avg_sq"].numel() == s["exp_avg"].numel() for s in state.values())
     assert sum(per_rank) == total
     assert all(abs(n - total / 2) <= 64 for n in per_rank), (per_rank, total)  # partitions are aligned
+
+
+def test_the_plan_says_what_zero2_held(zero2):
+    """The planner's ZeRO-2 arithmetic against step 2 of the real engine on rank 0 (tests/plan_check.py):
+    the whole 16-bit-or-wider weights, this rank's fp32 gradient partition, its fp32 master partition and
+    moments, exactly; DeepSpeed's collectives within 2% too."""
+    figures, off = plan_check.compare(zero2, DS)
+    assert off == [] and figures["optimizer"][1] < figures["params"][1], figures  # partitioned
 
 
 def test_zero2_kill_9_then_resume_is_bit_identical(tmp_path):

@@ -363,6 +363,10 @@ class LoggingConfig:
     wandb_project: str = "lmpretrain"
     every: int = 10
     """Console log line every N steps (metrics.jsonl and W&B get every step)."""
+    bytes_at_step: int = 0
+    """Count what optimizer step N really sends and holds on each rank (observe/step_bytes.py): bytes received
+    per collective kind and bytes of parameters, gradients and optimizer state, logged once at that step as
+    comm/<kind>_bytes and memory/<kind>_bytes (what `python -m lmpretrain.plan` predicts); 0: off."""
 
 
 @dataclass
@@ -700,6 +704,7 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         "optim.weight_decay",
         "train.max_grad_norm",
         "train.z_loss",
+        "logging.bytes_at_step",
     ):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:

@@ -6,6 +6,7 @@ from lmpretrain.observe.evaluation import Evaluator, evaluate_all, generate_samp
 from lmpretrain.observe.flops import MFUMeter
 from lmpretrain.observe.metrics import StepMetrics
 from lmpretrain.observe.profiler import StepProfiler
+from lmpretrain.observe.step_bytes import StepBytes
 from lmpretrain.observe.tasks import TaskSuite
 from lmpretrain.observe.tracking import Tracker, wandb_log_with
 
@@ -13,6 +14,7 @@ __all__ = [
     "ConsoleWarnings",
     "Evaluator",
     "MFUMeter",
+    "StepBytes",
     "StepLog",
     "StepMetrics",
     "StepProfiler",

@@ -58,6 +58,9 @@ class Step:
     micro_batch_peak: int = 0  # the peak during forward/backward, and of it what grows with the rows
     row_bytes: int = 0  # (activations and temporaries)
     step_peak: int = 0  # the peak during the optimizer step
+    group_values: list[int] = field(
+        default_factory=list
+    )  # parameter values per optimizer group (ZeRO's partitions)
 
 
 class _FSDPTracker(FSDPMemTracker):
@@ -249,6 +252,19 @@ def _simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool
         muon_comm: dict[str, float] = {}
         autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype is not None and not deepspeed)
         grads = 0
+        # torch's FSDPMemTracker gathers and reduces more than training does (its hooks re-run FSDP2's: a
+        # smoke-shaped step counted 2.5x the all-gather bytes of a real recipe run under it), so under FSDP2
+        # the micro-batches' collectives are counted on an untracked pass of the same micro-batches first.
+        untracked = launch.wrapping == "fsdp2"
+        if untracked:
+            for sync in kinds:
+                with _gradient_sync(model, launch, sync), CollectiveBytes() as counted:
+                    with autocast:
+                        terms = objective(model, ids, ids)
+                    weighted_sum(terms).backward()
+                for kind, value in counted.received.items():
+                    comm[kind] += (1 if sync else accum - 1) * value
+            model.zero_grad(set_to_none=True)
         with tracker:
             for sync in kinds:
                 repeats = 1 if sync else accum - 1
@@ -261,7 +277,7 @@ def _simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool
                         weighted_sum(terms).backward()
                 flops["forward"] += repeats * forward.get_total_flops()
                 flops["backward"] += repeats * backward.get_total_flops()
-                for kind, value in counted.received.items():
+                for kind, value in counted.received.items() if not untracked else ():
                     comm[kind] += repeats * value
         with CollectiveBytes() as counted:
             if cfg.train.max_grad_norm > 0:
@@ -319,6 +335,7 @@ def _simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool
         micro_batch_peak=micro_batches,
         row_bytes=activations + peak.get("Temp", 0),
         step_peak=in_step,
+        group_values=[sum(p.numel() for p in g["params"]) for g in optimizer.param_groups if g["params"]],
     )
     return wrap_arithmetic(step_bytes, launch, cfg)
 
@@ -327,9 +344,13 @@ def wrap_arithmetic(step: Step, launch: Launch, cfg) -> Step:
     """DDP and DeepSpeed ZeRO-1/2, which the simulation runs unwrapped, as arithmetic on its bytes.
 
     DDP (torch's defaults, as accelerate passes them: gradient_as_bucket_view=False): gradient buckets as large
-    as the gradients, all-reduced once per step. ZeRO (stage 1: optimizer state partitioned, stage 2: gradients
-    too, DeepSpeed's fp32 master weights counted as optimizer state): partitions are 1/W of the whole; the
-    gradients are reduce-scattered (stage 2) or all-reduced (stage 1) and the updated weights all-gathered.
+    as the gradients, all-reduced once per step. DeepSpeed ZeRO, as its engine does it (checked against it on
+    2 gloo ranks: tests/test_deepspeed.py): each optimizer group's parameters are flattened, padded to a
+    multiple of 2 x W values and split in W partitions; each rank keeps the fp32 master weights and fp32
+    AdamW moments of its partitions (and a step counter per group), whatever the model's dtype, and stage 2
+    the fp32 gradients of its partitions for the step (stage 1: the whole gradients, as without ZeRO). The
+    gradients are all-reduced in the model's dtype (DeepSpeed's buckets, 5e8 values, span ranks: its
+    multi-rank bucket all-reduce) and the updated weights all-gathered.
     """
     world = launch.num_processes
     if launch.wrapping == "ddp":
@@ -337,19 +358,12 @@ def wrap_arithmetic(step: Step, launch: Launch, cfg) -> Step:
         step.total_peak += step.grads
         step.comm["all_reduce"] += 2 * step.grads * (world - 1) / world
     elif launch.wrapping.startswith("zero"):
-        masters = (
-            step.params * 2 if cfg.train.precision in ("bf16", "fp16") else 0
-        )  # fp32 copy of 16-bit weights
-        whole_opt = step.optimizer + masters
-        step.optimizer = -(-whole_opt // world)
-        saved = whole_opt - step.optimizer
-        fp32_grads = step.grads * (2 if masters else 1)
-        if launch.wrapping == "zero2":
-            saved += step.grads - -(-fp32_grads // world)
-            step.grads = -(-fp32_grads // world)
-            step.comm["reduce_scatter"] += step.grads * (world - 1)
-        else:
-            step.comm["all_reduce"] += 2 * step.grads * (world - 1) / world
+        fp32 = 4
+        parts = [-(-n // (2 * world)) * 2 for n in step.group_values]  # values per rank, per group
+        optimizer = sum(3 * fp32 * n + fp32 for n in parts)  # masters, 2 moments; the step counter
+        grads = sum(fp32 * n for n in parts) if launch.wrapping == "zero2" else step.grads
+        step.total_peak += optimizer - step.optimizer + grads - step.grads
+        step.comm["all_reduce"] += 2 * step.grads * (world - 1) / world
         step.comm["all_gather"] += step.params * (world - 1) / world
-        step.total_peak -= saved
+        step.optimizer, step.grads = optimizer, grads
     return step

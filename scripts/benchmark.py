@@ -3,7 +3,7 @@
 
     python scripts/benchmark.py configs/default.yaml [--steps 20] [--warmup 5] [--rounds 2] [--threads 0]
                                 [--shapes config,gpt2,chars] [--best SWITCH,...] [--to-target STEPS]
-                                [--section.field=value ...]
+                                [--recipe-args='--optim.name=muon ...'] [--section.field=value ...]
 
 For three model shapes (the config's own; a GPT-2 of 4 layers x 4 heads x 128 wide on 64-token blocks,
 12 rows per micro-batch, on the config's data and tokenizer; and the same GPT-2 with a character-level
@@ -28,7 +28,9 @@ spread and the load average.
 `--to-target N`: the lean reference trains N steps of the config's schedule and its held-out loss is the
 target; the recipe (best) trains the same N steps, tokens per step and schedule, evaluated every N/10
 steps; its steps to the target times its step time relative to the lean reference's (side by side,
-both clocks) give its time to the target relative to the lean reference's.
+both clocks) give its time to the target relative to the lean reference's. `--recipe-args=...` gives the
+recipe's runs (timed and to the target) overrides the lean reference does not get, e.g. another
+optimizer: the target stays the lean reference's with AdamW.
 """
 
 from __future__ import annotations
@@ -356,7 +358,7 @@ def benchmark_shape(label: str, config_path: str, overrides: list[str], args) ->
     ]
 
     def run_recipe(switches):
-        return lambda: recipe(config_path, overrides, switches, args.steps, args.warmup)
+        return lambda: recipe(config_path, [*overrides, *args.recipe_args], switches, args.steps, args.warmup)
 
     def run_lean():
         out = subprocess.run([*lean_cmd, *overrides], check=True, capture_output=True, text=True).stdout
@@ -449,7 +451,8 @@ def time_to_target(config_path: str, overrides: list[str], best: dict, step_rati
     every = max(1, n // 10)
     over = [*overrides, f"--train.max_steps={n}"]
     print(
-        f" time to target: lean reference and recipe (best), {n} steps of {tokens} tokens, evaluated every {every}"
+        f" time to target: lean reference and recipe (best{', ' + ' '.join(args.recipe_args) if args.recipe_args else ''}), "
+        f"{n} steps of {tokens} tokens, evaluated every {every}"
     )
     lean_cmd = [
         sys.executable,
@@ -465,7 +468,7 @@ def time_to_target(config_path: str, overrides: list[str], best: dict, step_rati
     )
     lean_curve = {int(k): v for k, v in lean_run["eval_loss"].items()}
     target = lean_curve[n]
-    ours = recipe(config_path, over, best, n, 0, eval_every=every)
+    ours = recipe(config_path, [*over, *args.recipe_args], best, n, 0, eval_every=every)
     reached = [step for step, loss in sorted(ours["eval_loss"].items()) if step and loss <= target]
     print(f"{'step':>6} {'lean reference':>15} {'recipe (best)':>14}")
     for step in sorted(ours["eval_loss"]):
@@ -524,6 +527,13 @@ def main() -> None:
         type=int,
         default=0,
         help="also wall time to the lean reference's held-out loss after this many steps (0: off)",
+    )
+    parser.add_argument(
+        "--recipe-args",
+        type=str.split,
+        default=[],
+        help="overrides for the recipe's runs only, e.g. '--optim.name=muon --optim.lr=1.6e-2' (the lean "
+        "reference keeps AdamW at the config's settings)",
     )
     parser.add_argument("--eval-every", type=int, default=0, help=argparse.SUPPRESS)  # lean runs only
     parser.add_argument(

@@ -1,7 +1,7 @@
 """Muon (optim.name=muon): which parameters it updates, its step against a float64 reference computed
-here from the algorithm's definition, the config checks, and (slow) the recipe under DDP and FSDP2 on
-real gloo processes: 2 ranks = 1 rank, FSDP2 = DDP, kill -9 + resume bit-identical, a sharded
-checkpoint resumed on 1 process."""
+here from the algorithm's definition, the config checks, a resume that switches muon <-> normuon, and
+(slow) the recipe with NorMuon under DDP and FSDP2 on real gloo processes: 2 ranks = 1 rank, FSDP2 = DDP,
+kill -9 + resume bit-identical, a sharded checkpoint resumed on 1 process."""
 
 import copy
 import dataclasses
@@ -314,6 +314,66 @@ def test_normuon_state_round_trips_and_the_resumed_steps_are_bit_identical(model
         assert torch.equal(p, q), n
 
 
+def test_a_resume_that_switches_muon_and_normuon_says_so_and_keeps_the_momentum(tmp_path):
+    """Muon -> NorMuon: the momentum comes back and the second moments, which a Muon checkpoint lacks, start
+    at zero (a sharded checkpoint: DCP must not ask for them); NorMuon -> Muon drops them. One line each."""
+    from types import SimpleNamespace
+
+    from lmpretrain.checkpoint.formats import ShardedFiles
+    from lmpretrain.update.schedule import hyperparameter_changes
+
+    for old, new, note in (
+        ("muon", "normuon", "(momentum kept; NorMuon's per-neuron second moments, absent from a Muon "
+         "checkpoint, start at zero as in a fresh run)"),
+        ("normuon", "muon", "(momentum kept; the checkpoint's NorMuon second moments are dropped)"),
+    ):  # fmt: skip
+        saved, now = (load_config([str(rr.SMOKE), f"--optim.name={n}"]) for n in (old, new))
+        line = hyperparameter_changes(saved.to_dict(), now, step=4, updates=4)
+        assert line.startswith(
+            f"resumed with new hyper-parameters from step 4: optim.name {old} -> {new} {note} (lr"
+        )
+        assert "\n" not in line
+    ids = [torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    def step(model, opt, batch):
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def moments(opt):
+        return [s["second_moment"] for s in opt.state.values() if "second_moment" in s]
+
+    muon = tiny("llama")
+    opt = build_optimizer(muon, muon_cfg())
+    step(muon, opt, ids[0])
+    files = ShardedFiles(SimpleNamespace(num_processes=1, is_main_process=True))
+    error, write = files.write(muon, opt, tmp_path, None)
+    assert error is None
+    write.result()
+    switched = tiny("llama", seed=5)
+    opt2 = build_optimizer(switched, muon_cfg(name="normuon"))
+    files.load(tmp_path, {}, switched, opt2)  # DCP reads Muon's state into NorMuon's layout
+    apply_hyperparameters(opt2, muon_cfg(name="normuon"))
+    assert moments(opt2) == [] and all(g["normuon"] for g in opt2.param_groups if g["kind"] == "muon")
+    ref = copy.deepcopy(muon)  # the same state through torch's own load (in memory)
+    opt3 = build_optimizer(ref, muon_cfg(name="normuon"))
+    opt3.load_state_dict(opt.state_dict())
+    apply_hyperparameters(opt3, muon_cfg(name="normuon"))
+    for batch in ids[1:]:
+        for model, o in ((switched, opt2), (ref, opt3)):
+            step(model, o, batch)
+    for (n, p), q in zip(switched.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert len(moments(opt2)) == 14 and all(m.abs().sum() > 0 for m in moments(opt2))
+    # NorMuon -> Muon (a full checkpoint is torch's state dict): the second moments go, Muon steps on
+    back = build_optimizer(switched, muon_cfg())
+    back.load_state_dict(opt2.state_dict())
+    apply_hyperparameters(back, muon_cfg())
+    assert moments(back) == [] and "second_moment" not in str(back.state_dict()["state"])
+    step(switched, back, ids[0])
+    assert all("momentum_buffer" in s for s in back.state.values() if "exp_avg" not in s)
+
+
 # ---- Config checks --------------------------------------------------------------------------------
 
 
@@ -356,7 +416,9 @@ def test_a_model_without_blocks_is_refused():
 
 # ---- The recipe on real processes (slow) ----------------------------------------------------------
 
-MUON = [*rr.EXACT, "--optim.name=muon", "--train.micro_batch_size=2", "--train.grad_accum_steps=2"]
+# NorMuon: Muon's every step (momentum, routing, spreading) plus its second moments, so these runs cover
+# both, and the kill -9 resume under FSDP2 is the issue's "done when" (configs/smoke.yaml-like, normuon).
+MUON = [*rr.EXACT, "--optim.name=normuon", "--train.micro_batch_size=2", "--train.grad_accum_steps=2"]
 FSDP_RUN = [*MUON, "--checkpoint.every=4", "--checkpoint.keep_last=3"]
 TIMEOUT = 1200  # generous: a loaded 2-core machine runs these at a fraction of its speed
 
@@ -393,7 +455,7 @@ def assert_close_runs(a: rr.Run, b: rr.Run, rel: float) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_trains_like_ddp_in_float64(fsdp, ddp):
-    assert "sharding=fsdp2" in fsdp.output and "Muon: 14 matrices" in fsdp.output
+    assert "sharding=fsdp2" in fsdp.output and "NorMuon: 14 matrices" in fsdp.output
     # optim.muon_spread=auto spreads both here (so the resume tests below run spread too)
     assert "spread over 2 ranks under FSDP2 (auto: it moves fewer bytes" in fsdp.output
     assert "spread over 2 ranks (optim.muon_spread=auto: Newton-Schulz" in ddp.output
@@ -427,7 +489,8 @@ def assert_bit_identical(straight: rr.Run, resumed: rr.Run) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", ["cpu-fsdp", "cpu-ddp"])
 def test_kill_9_then_resume_is_bit_identical(launch, request, tmp_path):
-    """Full checkpoints under DDP, sharded (DCP) under FSDP2: momentum buffers come back exactly."""
+    """Full checkpoints under DDP, sharded (DCP) under FSDP2: momentum buffers and NorMuon's second
+    moments (row-sharded DTensors under FSDP2) come back exactly."""
     straight = request.getfixturevalue("ddp" if launch == "cpu-ddp" else "fsdp")
     _, resumed = killed_then_resumed(tmp_path / "killed", launch)
     assert_bit_identical(straight, resumed)
@@ -459,7 +522,7 @@ def test_a_sharded_muon_checkpoint_resumes_on_one_process(fsdp, tmp_path):
 @pytest.mark.slow
 def test_two_ddp_ranks_train_like_one_process(ddp, tmp_path):
     one = rr.run(tmp_path / "one", *FSDP_RUN, "--train.micro_batch_size=4", launch="cpu", timeout=TIMEOUT)
-    assert "Muon: 14 matrices in 14 tensors" in one.output
+    assert "NorMuon: 14 matrices in 14 tensors" in one.output
     assert_close_runs(ddp, one, rel=1e-6)
     first, last = ddp.losses()[1], ddp.losses()[10]
     assert last < first - 0.3  # it learns

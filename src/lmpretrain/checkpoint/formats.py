@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmpretrain.errors import CheckpointError
 from lmpretrain.run.distributed import broadcast_object
+from lmpretrain.update.normuon import SECOND_MOMENT
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -406,6 +407,17 @@ class FullFiles(Files):
             self._thread = None
 
 
+def _without_absent_second_moments(optim_state: dict, where: Path) -> dict:
+    """The layout DCP reads into, less NorMuon's second moments the checkpoint lacks (a Muon checkpoint
+    resumed as NorMuon): they start at zero at the first step, as in a fresh run. DCP would refuse every
+    missing entry."""
+    saved = dcp.FileSystemReader(str(where)).read_metadata().state_dict_metadata
+    for fqn, entries in optim_state["state"].items():
+        if SECOND_MOMENT in entries and f"optimizer.state.{fqn}.{SECOND_MOMENT}" not in saved:
+            del entries[SECOND_MOMENT]
+    return optim_state
+
+
 class ShardedFiles(Files):
     description = "torch.distributed.checkpoint, each rank writes the shards it holds (dcp/)"
 
@@ -450,7 +462,9 @@ class ShardedFiles(Files):
             state["averages"] = averages
         groups_only = OPTIMIZER_FILE in manifest
         if not groups_only:
-            state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+            state["optimizer"] = _without_absent_second_moments(
+                get_optimizer_state_dict(model, optimizer), path / DCP_DIR
+            )
         with _single_process_is_intended():
             dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=not self.distributed)
         set_model_state_dict(model, state["model"])

@@ -31,7 +31,7 @@ from transformers.pytorch_utils import Conv1D
 from lmpretrain.errors import ConfigError
 from lmpretrain.update.muon_spread import orthogonalised, spread_decision
 from lmpretrain.update.newton_schulz import batches, iteration_dtype
-from lmpretrain.update.normuon import normalise_neurons, second_moment_like
+from lmpretrain.update.normuon import SECOND_MOMENT, normalise_neurons, second_moment_like
 
 
 def fused_projections(block: nn.Module) -> dict[int, int]:
@@ -196,14 +196,12 @@ class MuonAdamW(torch.optim.Optimizer):
         normed = [i for i, g in enumerate(groups) if g["normuon"]]
         if normed:  # NorMuon: per neuron, on each rank's part of the results (normuon.py)
             for i in normed:
-                if "second_moment" not in self.state[params[i]]:
-                    self.state[params[i]]["second_moment"] = second_moment_like(
-                        params[i], groups[i]["out_dim"]
-                    )
+                if SECOND_MOMENT not in self.state[params[i]]:
+                    self.state[params[i]][SECOND_MOMENT] = second_moment_like(params[i], groups[i]["out_dim"])
             normalise_neurons(
                 [orthos[i] for i in normed],
                 [groups[i] for i in normed],
-                [self.state[params[i]]["second_moment"] for i in normed],
+                [self.state[params[i]][SECOND_MOMENT] for i in normed],
             )
         orthos = iter(orthos)
         for group, params, _ in work:

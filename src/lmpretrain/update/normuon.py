@@ -29,6 +29,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from lmpretrain.update.muon_spread import _shard_dim, shard_rows
 
 EPS = 1e-10  # a neuron whose update is all zero keeps a zero update
+# The state entry of each NorMuon matrix. A Muon checkpoint has none: resumed as NorMuon, they start at
+# zero, as in a fresh run; a NorMuon checkpoint resumed as Muon drops them.
+SECOND_MOMENT = "second_moment"
 
 
 def second_moment_like(p: torch.Tensor, out_dim: int) -> torch.Tensor:

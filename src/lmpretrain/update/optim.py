@@ -16,6 +16,7 @@ from lmpretrain.update.muon import (
     muon_groups,
     muon_hyperparameters,
 )
+from lmpretrain.update.normuon import SECOND_MOMENT
 
 
 def param_groups(
@@ -127,6 +128,9 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, optim_cfg) -> None:
     for group in optimizer.param_groups:
         if group.get("kind") == "muon":
             group.update(muon_hyperparameters(optim_cfg))
+            if not group["normuon"]:  # a NorMuon checkpoint resumed as Muon: its second moments go
+                for p in group["params"]:
+                    optimizer.state.get(p, {}).pop(SECOND_MOMENT, None)
             continue
         group["betas"] = (optim_cfg.beta1, optim_cfg.beta2)
         group["eps"] = optim_cfg.eps

@@ -25,6 +25,7 @@ SCHEDULES = ("cosine", "wsd", "linear", "constant")
 # The optim fields a resume takes from the current config (the schedule's, and those optim.apply_hyperparameters
 # sets over the checkpoint's optimizer state); each one that changed is reported.
 _OPTIM_FIELDS = (
+    "name",
     "lr",
     "min_lr",
     "warmup_steps",
@@ -43,6 +44,18 @@ _OPTIM_FIELDS = (
     "muon_coefficients",
     "normuon_beta2",
 )
+
+
+# What a resume that switches optim.name does to the optimizer state (adamw <-> muon is refused by the
+# checkpoint load: the parameter groups differ).
+_SWITCH_NOTES = {
+    (
+        "muon",
+        "normuon",
+    ): " (momentum kept; NorMuon's per-neuron second moments, absent from a Muon checkpoint, "
+    "start at zero as in a fresh run)",
+    ("normuon", "muon"): " (momentum kept; the checkpoint's NorMuon second moments are dropped)",
+}
 
 
 def wsd_decay_start(max_steps: int, warmup_steps: int, decay_fraction: float) -> int:
@@ -121,6 +134,7 @@ def hyperparameter_changes(saved_cfg: dict, cfg, step: int, updates: int, ramp=N
     )
     changed = [
         f"optim.{name} {getattr(old.optim, name)} -> {getattr(cfg.optim, name)}"
+        + (_SWITCH_NOTES.get((old.optim.name, cfg.optim.name), "") if name == "name" else "")
         for name in _OPTIM_FIELDS
         if getattr(old.optim, name) != getattr(cfg.optim, name)
     ]

@@ -147,14 +147,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     # Data is opened before the model: a missing file fails in seconds, not after a model load.
     train_data = cleanup.enter_context(TrainStream.from_config(cfg, tokenizer, ramp, info.rank, W))
     say(train_data.describe())
-    eval_size = cfg.eval.batches * cfg.eval.batch_size  # blocks
-    held_out = heldout_blocks(
-        cfg.data,
-        tokenizer,
-        num_blocks=eval_size,
-        add_bos=train_data.add_bos,
-        progress=accelerator.is_main_process,
-    )
+    eval_size = cfg.eval.batches * cfg.eval.batch_size  # blocks, framed (BOS or not) as the training stream
+    held_out = heldout_blocks(cfg.data, tokenizer, eval_size, train_data.add_bos, accelerator.is_main_process)
     deepspeed, fsdp2 = info.sharding.startswith("deepspeed"), info.sharding.startswith("fsdp2")
     precision = MixedPrecision.from_config(cfg.train, accelerator.device, engine=deepspeed)
     # eval.tasks: resolved and loaded now, so a bad task stops the run before the model is built

@@ -437,13 +437,12 @@ def fsdp(tmp_path_factory):
 @pytest.mark.parametrize("launch", ["cpu-ddp", "cpu-fsdp"])
 def test_the_plan_says_what_the_muon_run_sent_and_held(launch, request):
     """The planner against step 2 of the real Muon runs on rank 0 (tests/plan_check.py): bytes held
-    exactly, each collective kind within 2%, Muon's own line (its step's collectives) included; FSDP2's
-    reduce-scatters are plan_check.py's open finding."""
+    exactly, each collective kind within 2%, Muon's own line (its step's collectives) included."""
     figures, off = plan_check.compare(
         request.getfixturevalue("ddp" if launch == "cpu-ddp" else "fsdp"), launch
     )
     assert figures["muon"][1] > 0 or launch == "cpu-ddp", figures
-    assert off == ([] if launch == "cpu-ddp" else ["reduce_scatter"]), figures  # plan_check.py: open
+    assert off == [], figures
 
 
 def assert_close_runs(a: rr.Run, b: rr.Run, rel: float) -> None:

@@ -38,7 +38,7 @@ READ_LIMIT = 1 << 22
 
 
 def heldout_blocks(
-    data: DataConfig, tokenizer, *, num_blocks: int, add_bos: bool | None = None, progress: bool = False
+    data: DataConfig, tokenizer, num_blocks: int, add_bos: bool | None = None, progress: bool = False
 ) -> torch.Tensor:
     """`num_blocks` packed `data.seq_len` blocks of `data.eval` (see the module docstring for which tokens),
     framed as `add_bos` says (the training stream's: `TrainStream.encoder.add_bos`; default data.add_bos).

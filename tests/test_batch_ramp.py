@@ -101,6 +101,12 @@ def test_the_schedule_counts_tokens_in_steps_of_the_final_batch():
         assert learning_rate(cfg, n, ramp) == pytest.approx(learning_rate(shorter, n - 2), rel=1e-12)
     linear = dataclasses.replace(ramp, lr_power=1.0)
     assert learning_rate(cfg, 0, linear) == pytest.approx(cfg.optim.lr * 0.5 / 2 / 4)
+    # A ramp of 1.5 final steps: update n >= 3 ends at n - 0.5 of them, so update 5 ends past the warmup
+    # (4.5 of 4 steps): the peak, not 4.5 / 4 of it (as the schedule gave before it was clamped).
+    odd = BatchRamp(8, 64, ((3 * 4 * 64, 4),), lr_power=0.5)
+    assert learning_rate(cfg, 4, odd) == pytest.approx(cfg.optim.lr * 3.5 / 4, rel=1e-12)
+    assert learning_rate(cfg, 5, odd) == cfg.optim.lr
+    assert max(learning_rate(cfg, n, odd) for n in range(20)) == cfg.optim.lr
 
 
 def test_preflight_lists_every_ramp_stage_that_does_not_split(stdlib_cache):

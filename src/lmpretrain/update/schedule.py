@@ -74,8 +74,8 @@ def lr_factor(
     decay_fraction: float = 0.2,
 ) -> float:
     """Multiplier of the peak lr for update `step` (0-based); see the module docstring for the shapes."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
+    if step < warmup_steps:  # a ramped step (in final-batch steps, fractional) can end past the warmup
+        return min(1.0, (step + 1) / warmup_steps)
     if schedule == "constant":
         return 1.0
     start = warmup_steps

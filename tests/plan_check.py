@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lmpretrain.config import load_config
 from lmpretrain.model.build import build_model_config
-from lmpretrain.plan.collectives import KINDS
+from lmpretrain.observe.collectives import KINDS
 from lmpretrain.plan.launch import read_launch
 from lmpretrain.plan.simulate import simulate
 

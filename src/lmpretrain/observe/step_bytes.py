@@ -1,6 +1,6 @@
 """What one optimizer step really sends and holds on this rank: `logging.bytes_at_step: N`.
 
-Step N runs under `CollectiveBytes`, the planner's own counter (plan/collectives.py: every collective the
+Step N runs under `CollectiveBytes`, the planner's own counter (observe/collectives.py: every collective the
 step dispatches, DDP's gradient buckets, FSDP2's gathers and reduce-scatters, Muon's and DeepSpeed's
 included, sized as bytes *received* per rank for ring algorithms), and at its optimizer step it reads the
 bytes this rank holds of parameters and optimizer state and the gradients the optimizer steps (ZeRO-2:
@@ -18,7 +18,7 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
-from lmpretrain.plan.collectives import KINDS, CollectiveBytes
+from lmpretrain.observe.collectives import KINDS, CollectiveBytes
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

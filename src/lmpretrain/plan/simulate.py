@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from lmpretrain.model.build import build_model
 from lmpretrain.model.objective import LMObjective, install_loss_forward, weighted_sum
 from lmpretrain.model.speed import enable_activation_checkpointing, fuse_gelu_tanh
-from lmpretrain.plan.collectives import KINDS, CollectiveBytes
+from lmpretrain.observe.collectives import KINDS, CollectiveBytes
 from lmpretrain.plan.launch import Launch
 from lmpretrain.update.optim import build_optimizer
 

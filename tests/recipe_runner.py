@@ -122,17 +122,11 @@ def run(
     """One run of the recipe; `fork=False` (or a `launcher`) starts it as a new process tree, as a user's
     shell would, where the test is about the launch itself."""
     if fork and launcher is None:
-        return forked_run(
-            out_dir,
-            *overrides,
-            launch=launch,
-            launch_args=launch_args,
-            env=env,
-            timeout=timeout,
-            check=check,
-            config=config,
-            recipe=recipe,
+        proc = start_forked(
+            out_dir, *overrides, launch=launch, launch_args=launch_args, env=env, config=config, recipe=recipe
         )
+        output = _wait(proc, timeout)
+        return _result(Run(Path(out_dir), proc.returncode, output), check)
     cmd = command(
         out_dir,
         *overrides,
@@ -266,29 +260,14 @@ def start_forked(
     return _server().start(launch, launch_args, recipe, args, env, getattr(log, "name", log))
 
 
-def forked_run(
-    out_dir,
-    *overrides,
-    launch="cpu",
-    launch_args=(),
-    env=None,
-    timeout=600,
-    check=True,
-    config=SMOKE,
-    recipe=RECIPE,
-) -> Run:
-    """`run()`, started as a fork of this worker's fork server instead of a new `accelerate launch`."""
-    proc = start_forked(
-        out_dir, *overrides, launch=launch, launch_args=launch_args, env=env, config=config, recipe=recipe
-    )
+def _wait(proc: ForkedProcess, timeout: float) -> str:
+    """Wait for a forked run, killing it after `timeout` seconds; its output."""
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
-    return _result(
-        Run(Path(out_dir), proc.returncode, proc.log.read_text() if proc.log.exists() else ""), check
-    )
+    return proc.log.read_text() if proc.log.exists() else ""
 
 
 def run_each(arg_lists: list[list[str]], timeout=600, env=None) -> list[str]:
@@ -298,12 +277,7 @@ def run_each(arg_lists: list[list[str]], timeout=600, env=None) -> list[str]:
     outputs = []
     for args in arg_lists:
         proc = _server().start(None, [], RECIPE, args, env)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-        outputs.append(proc.log.read_text())
+        outputs.append(_wait(proc, timeout))
         assert proc.returncode == 0, f"run {args} exited {proc.returncode}:\n{outputs[-1][-6000:]}"
     return outputs
 

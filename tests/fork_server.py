@@ -60,7 +60,7 @@ def preload() -> None:
 
 def rank_environments(request: dict) -> tuple[list[dict], bool]:
     """Each rank's environment, and whether the launch is accelerate's (exit status 0/1) or plain python."""
-    env = {k: v for k, v in request["env"].items()}
+    env = dict(request["env"])
     if request["launch"] is None:
         return [env], False
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser

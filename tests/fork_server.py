@@ -174,9 +174,9 @@ def launch(request: dict) -> None:
             ranks.append(pid)
         codes = {}
         while len(codes) < len(ranks):
-            _reap(os.wait4(-1, 0), codes)
-            failed = [p for p, c in codes.items() if c != 0]
-            if failed and len(ranks) > 1:  # torch elastic: stop the others, SIGKILL after a grace
+            pid, status = os.wait()
+            codes[pid] = os.waitstatus_to_exitcode(status)
+            if codes[pid] != 0 and len(ranks) > 1:  # torch elastic: stop the others, SIGKILL after a grace
                 _stop([p for p in ranks if p not in codes], codes)
         statuses = [codes[p] for p in ranks]
         code = (1 if any(statuses) else 0) if accelerate else statuses[0]
@@ -184,34 +184,33 @@ def launch(request: dict) -> None:
         traceback.print_exc()
     sys.stdout.flush()
     sys.stderr.flush()
-    # The ranks' CPU seconds (their waited-for children included): the tests' CPU log counts them.
-    own = resource.getrusage(resource.RUSAGE_SELF)
+    # This fork's CPU seconds and its ranks' (a fork's counters start at zero; the ranks', their waited-for
+    # children included, are added as each is waited for): the tests' CPU log counts them.
+    cpu_s = sum(
+        u.ru_utime + u.ru_stime
+        for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
     rc = request["log"] + ".rc"
-    Path(rc + ".tmp").write_text(json.dumps({"code": code, "cpu_s": _CPU_S[0] + own.ru_utime + own.ru_stime}))
+    Path(rc + ".tmp").write_text(json.dumps({"code": code, "cpu_s": cpu_s}))
     os.replace(rc + ".tmp", rc)
     os._exit(0)
 
 
-_CPU_S = [0.0]
-
-
-def _reap(waited: tuple, codes: dict) -> None:
-    pid, status, usage = waited
-    if pid:
-        codes[pid] = os.waitstatus_to_exitcode(status)
-        _CPU_S[0] += usage.ru_utime + usage.ru_stime
-
-
 def _stop(running: list[int], codes: dict) -> None:
+    """SIGTERM the ranks still running, SIGKILL those still there after the grace; all are waited for."""
     for pid in running:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + SHUTDOWN_GRACE_S
     while any(p not in codes for p in running) and time.monotonic() < deadline:
-        _reap(os.wait4(-1, os.WNOHANG), codes)
-        time.sleep(0.05)
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            codes[pid] = os.waitstatus_to_exitcode(status)
+        else:
+            time.sleep(0.05)
     for pid in running:
         if pid not in codes:
             os.kill(pid, signal.SIGKILL)
+            codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def serve() -> None:

@@ -178,19 +178,17 @@ class ForkServer:
         assert ready.startswith('{"ready"'), f"the fork server did not start: {ready!r}"
 
     def start(self, launch, launch_args, recipe, args, env, log=None) -> ForkedProcess:
-        with self.lock:
-            self.count += 1
-            name = self.logs / f"{self.count}.log"
-        request = {
-            "launch": launch and str(ROOT / "configs" / "accelerate" / f"{launch}.yaml"),
-            "launch_args": list(launch_args),
-            "recipe": str(recipe),
-            "args": list(args),
-            "env": env_for_runs(env),
-            "cwd": str(ROOT),
-            "log": str(log or name),
-        }
         with self.lock:  # tests start runs from threads too: one request and its reply at a time
+            self.count += 1
+            request = {
+                "launch": launch and str(ROOT / "configs" / "accelerate" / f"{launch}.yaml"),
+                "launch_args": list(launch_args),
+                "recipe": str(recipe),
+                "args": list(args),
+                "env": env_for_runs(env),
+                "cwd": str(ROOT),
+                "log": str(log or self.logs / f"{self.count}.log"),
+            }
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             pid = json.loads(self.proc.stdout.readline())["pid"]

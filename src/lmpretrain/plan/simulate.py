@@ -58,9 +58,8 @@ class Step:
     micro_batch_peak: int = 0  # the peak during forward/backward, and of it what grows with the rows
     row_bytes: int = 0  # (activations and temporaries)
     step_peak: int = 0  # the peak during the optimizer step
-    group_values: list[int] = field(
-        default_factory=list
-    )  # parameter values per optimizer group (ZeRO's partitions)
+    # parameter values per optimizer group (ZeRO's partitions)
+    group_values: list[int] = field(default_factory=list)
 
 
 class _FSDPTracker(FSDPMemTracker):
@@ -252,33 +251,36 @@ def _simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool
         muon_comm: dict[str, float] = {}
         autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype is not None and not deepspeed)
         grads = 0
+
+        def micro_batch(sync: bool) -> tuple[dict, float, float]:
+            """One micro-batch's forward and backward: its collectives' bytes, forward and backward FLOPs."""
+            with _gradient_sync(model, launch, sync), CollectiveBytes() as counted:
+                with _flop_counter() as forward, autocast:
+                    terms = objective(model, ids, ids)
+                with _flop_counter() as backward:
+                    weighted_sum(terms).backward()
+            return dict(counted.received), forward.get_total_flops(), backward.get_total_flops()
+
         # torch's FSDPMemTracker gathers and reduces more than training does (its hooks re-run FSDP2's: a
         # smoke-shaped step counted 2.5x the all-gather bytes of a real recipe run under it), so under FSDP2
         # the micro-batches' collectives are counted on an untracked pass of the same micro-batches first.
-        untracked = launch.wrapping == "fsdp2"
-        if untracked:
-            for sync in kinds:
-                with _gradient_sync(model, launch, sync), CollectiveBytes() as counted:
-                    with autocast:
-                        terms = objective(model, ids, ids)
-                    weighted_sum(terms).backward()
-                for kind, value in counted.received.items():
-                    comm[kind] += (1 if sync else accum - 1) * value
+        untracked = None
+        if launch.wrapping == "fsdp2":
+            untracked = [micro_batch(sync)[0] for sync in kinds]
             model.zero_grad(set_to_none=True)
+        tracked = []
         with tracker:
             for sync in kinds:
-                repeats = 1 if sync else accum - 1
                 if not isinstance(tracker, FSDPMemTracker):  # its module stats are per call; the peak stays
                     tracker.reset_mod_stats()
-                with _gradient_sync(model, launch, sync), CollectiveBytes() as counted:
-                    with _flop_counter() as forward, autocast:
-                        terms = objective(model, ids, ids)
-                    with _flop_counter() as backward:
-                        weighted_sum(terms).backward()
-                flops["forward"] += repeats * forward.get_total_flops()
-                flops["backward"] += repeats * backward.get_total_flops()
-                for kind, value in counted.received.items() if not untracked else ():
-                    comm[kind] += repeats * value
+                tracked.append(micro_batch(sync))
+        received = untracked or [bytes_ for bytes_, _, _ in tracked]
+        for sync, (_, forward, backward), counts in zip(kinds, tracked, received, strict=True):
+            repeats = 1 if sync else accum - 1
+            flops["forward"] += repeats * forward
+            flops["backward"] += repeats * backward
+            for kind, value in counts.items():
+                comm[kind] += repeats * value
         with CollectiveBytes() as counted:
             if cfg.train.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)

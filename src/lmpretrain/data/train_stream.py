@@ -207,10 +207,12 @@ class TrainStream:
                     )
         if problems:
             raise DataError("invalid data settings:\n  - " + "\n  - ".join(problems))
-        Encoder(tokenizer, data.add_bos)  # checks EOS/BOS before reading any data
+        self.encoder = Encoder(tokenizer, data.add_bos)  # checks EOS/BOS before reading any data
         self.transforms = load_transforms(data.transforms)  # a fork's document filters (data/transforms.py)
         self.sources = open_sources(data.train, tokenizer, self.transforms, data.max_open_files)
-        self.encoder = Encoder(tokenizer, prepared_add_bos(data.add_bos, self.sources))
+        prepared = prepared_add_bos(data.add_bos, self.sources)
+        if prepared is not None and prepared != self.encoder.add_bos:  # unset, and the files frame otherwise
+            self.encoder = Encoder(tokenizer, prepared)
         self.specs = [src.spec for src in self.sources]
         self.source_ids = list(range(len(self.sources)))  # seeds of their piece orders (data/mixture.py)
         self.source_names = mixture.metric_names(self.specs)

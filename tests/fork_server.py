@@ -134,10 +134,9 @@ def run_rank(request: dict, env: dict) -> None:
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, then status 1
         traceback.print_exc()
         code = 1
-    # The end of an interpreter: non-daemon threads joined, then the exit handlers the run registered.
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # The end of an interpreter (Py_FinalizeEx): threading's own exit hooks (they tell thread pools, e.g.
+    # inductor's compile workers, to stop) and a join of the non-daemon threads, then the run's exit handlers.
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

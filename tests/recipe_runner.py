@@ -264,7 +264,8 @@ def _wait(proc: ForkedProcess, timeout: float) -> str:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise
+        tail = proc.log.read_text()[-3000:] if proc.log.exists() else ""
+        raise AssertionError(f"the run did not end within {timeout} s; its output ended:\n{tail}") from None
     return proc.log.read_text() if proc.log.exists() else ""
 
 

@@ -2,6 +2,7 @@
 
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -285,3 +286,28 @@ def test_continued_pretraining_from_an_exported_model(smoke, loop_runs):
     first = cont.metrics()[0]["train/loss"]
     fresh = train_rows(smoke)[0]["train/loss"]
     assert first < train_rows(smoke)[-1]["train/loss"] + 0.5 < fresh  # starts where the smoke run ended
+
+
+ENDS_WITH_A_THREAD_POOL = """\
+import atexit, sys
+from concurrent.futures import ThreadPoolExecutor
+sys.pool = ThreadPoolExecutor(1)  # held past the script's end, as inductor holds its compile workers' pool
+sys.pool.submit(print, "pooled", flush=True).result()
+atexit.register(print, "exit handler ran")
+sys.exit(3)
+"""
+
+
+def test_a_forked_run_ends_as_the_interpreter_ends_a_script(tmp_path):
+    """A run leaving a thread pool alive (torch.compile's first compile does) still ends, with the script's
+    status and its exit handlers run: what `python SCRIPT` does (a fork that only joined the threads
+    waited on the pool forever)."""
+    script = tmp_path / "pool.py"
+    script.write_text(ENDS_WITH_A_THREAD_POOL)
+    forked = rr.run(tmp_path / "out", launch=None, recipe=script, check=False, timeout=60)
+    python = rr.run_command([sys.executable, str(script)], tmp_path / "out", check=False, timeout=60)
+    assert (
+        (forked.returncode, forked.output)
+        == (python.returncode, python.output)
+        == (3, "pooled\nexit handler ran\n")
+    )

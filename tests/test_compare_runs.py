@@ -1,7 +1,10 @@
 """scripts/compare_runs.py and lmpretrain.analysis.runs: table, config diff, PNG, --assert-close, --wandb."""
 
+import contextlib
+import io
 import json
 import math
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -56,9 +59,18 @@ def make_run_dir(path: Path, lr: float, loss_shift: float = 0.0, steps: int = 20
 
 
 def compare(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    """`python scripts/compare_runs.py ARGS` (its `__main__` block, its exit status), run in this process: an
+    interpreter with matplotlib costs ~9 CPU-s a call. tests/test_tracking_e2e.py starts the script for real."""
+    stdout, stderr, argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv, code = [str(SCRIPT), *map(str, args)], 0
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_path(str(SCRIPT), run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
 def test_table_diff_plot_and_assert_close_pass_for_identical_runs(tmp_path):

@@ -18,8 +18,6 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
-from lmpretrain.observe.collectives import KINDS, CollectiveBytes
-
 
 def _nbytes(t: torch.Tensor | None) -> int:
     if t is None:
@@ -64,6 +62,10 @@ class StepBytes:
         if step != self.step:
             yield
             return
+        # Imported only for the counted step: CommDebugMode's module imports torch.distributed._tools and
+        # inductor (~1 s of every rank's start-up otherwise).
+        from lmpretrain.observe.collectives import KINDS, CollectiveBytes
+
         inner = innermost_optimizer(self.optimizer)
         grads, in_step = [], CollectiveBytes()
 

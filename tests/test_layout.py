@@ -85,7 +85,10 @@ for wing in sys.argv[2:]:
                 traceback.print_exc(file=out)
             os._exit(1)
         os._exit(0)
-    os.waitpid(pid, 0)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if status != 0 and not os.path.exists(os.path.join(errors, wing)):  # killed, e.g. a crash in an extension
+        with open(os.path.join(errors, wing), "w") as out:
+            out.write(f"importing lmpretrain.{{wing}} ended with status {{status}}")
 """
 
 

@@ -174,7 +174,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     say(*prepare_model(model, cfg.train, accelerator))  # attention, checkpointing, compile
     optimizer = build_optimizer(model, cfg.optim, accelerator.device)
     say(f"{counts['params_total']:,} parameters; optimizer groups: {describe_groups(optimizer)}")
-    say(describe_implementation(optimizer, cfg.optim, accelerator.device, W, fsdp2))
+    say(describe_implementation(optimizer, cfg.optim, accelerator.device, W, fsdp2, info.replicas))
     # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (set_lr before each step from the
     # updates really applied), under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)

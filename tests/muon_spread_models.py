@@ -51,3 +51,9 @@ CASES = (
     ("fsdp2", "always", "normuon"),
     ("ddp", "always", "normuon"),
 )
+# At 4 ranks also HSDP, 2 replica groups x 2 shards: spread over both, over the shard groups only, and not
+HSDP_CASES = (("hsdp", "always", "muon"), ("hsdp", "never", "muon"), ("hsdp", "always", "normuon"))
+
+
+def cases(world: int) -> tuple:
+    return CASES + (HSDP_CASES if world == 4 else ())

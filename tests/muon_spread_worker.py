@@ -1,6 +1,6 @@
 """One rank of tests/test_muon_spread.py's gloo runs: tiny float64 models take two Muon steps on the same
-batch on every rank, sharded by FSDP2 (fully_shard) or replicated as under DDP (same gradients on every
-rank), with optim.muon_spread always and never; and two NorMuon steps (with Polar Express coefficients)
+batch on every rank, sharded by FSDP2 (fully_shard; at 4 ranks also HSDP, a 2 x 2 mesh of replicas and
+shards) or replicated as under DDP (same gradients on every rank), with optim.muon_spread always and never; and two NorMuon steps (with Polar Express coefficients)
 spread under both. Rank 0 saves each run's final weights and, per rank, the bytes each collective of the
 optimizer step received.
 
@@ -18,8 +18,10 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from muon_spread_models import CASES, MODELS, OPTIMIZERS, batch, build, muon_cfg  # noqa: E402
+from muon_spread_models import MODELS, OPTIMIZERS, batch, build, cases, muon_cfg  # noqa: E402
 
+from lmpretrain.update import muon_spread  # noqa: E402
+from lmpretrain.update.muon_spread import ns_flops  # noqa: E402
 from lmpretrain.update.optim import build_optimizer  # noqa: E402
 
 
@@ -62,17 +64,40 @@ class Received:
         return counted
 
 
+class Work:
+    """Newton-Schulz FLOPs this rank runs (the batched iteration's inputs, counted as muon_spread sees them)."""
+
+    def __init__(self):
+        self.flops = 0
+
+    def __enter__(self):
+        self._saved = original = muon_spread.orthogonalise_all
+
+        def counted(mats, steps, *args, **kwargs):
+            self.flops += sum(ns_flops(tuple(m.shape), steps) for m in mats)
+            return original(mats, steps, *args, **kwargs)
+
+        muon_spread.orthogonalise_all = counted
+        return self
+
+    def __exit__(self, *exc):
+        muon_spread.orthogonalise_all = self._saved
+
+
 def main() -> None:
     out_file = sys.argv[1]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    meshes = {"fsdp2": init_device_mesh("cpu", (world,))}
+    if world == 4:
+        meshes["hsdp"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     results = {}
     for model_type in MODELS:
-        for layout, spread, name in CASES:
+        for layout, spread, name in cases(world):
             model = build(model_type)
             opt = build_optimizer(model, muon_cfg(muon_spread=spread, **OPTIMIZERS[name]))  # as the recipe
-            if layout == "fsdp2":
+            if layout in meshes:
+                mesh = meshes[layout]
                 names = {id(p): n for n, p in model.named_parameters()}
                 for block in model.model.layers if hasattr(model, "model") else model.transformer.h:
                     fully_shard(block, mesh=mesh)
@@ -86,25 +111,27 @@ def main() -> None:
                 if g["kind"] == "muon"
                 for p in g["params"]
             )
-            received, funcol = [], []
+            received, funcol, work = [], [], []
             for step in range(2):
                 ids = batch(step)
                 model(input_ids=ids, labels=ids).loss.backward()
-                with Received() as counter, CommDebugMode() as comm:
+                with Received() as counter, CommDebugMode() as comm, Work() as flops:
                     opt.step()
                 opt.zero_grad(set_to_none=True)
                 received.append(counter.bytes)
+                work.append(flops.flops)
                 funcol.append({str(k): v for k, v in comm.get_comm_counts().items()})
             weights = {
                 n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                 for n, p in model.named_parameters()
             }
-            stats = torch.tensor([float(b) for b in received], dtype=torch.float64)
+            stats = torch.tensor([float(b) for b in received + work], dtype=torch.float64)
             everyone = [torch.zeros_like(stats) for _ in range(world)]
             dist.all_gather(everyone, stats)
             results[(model_type, layout, spread, name)] = {
                 "weights": weights,
-                "received": [t.tolist() for t in everyone],  # [rank][step]
+                "received": [t[:2].tolist() for t in everyone],  # [rank][step]
+                "flops": [t[2:].tolist() for t in everyone],  # [rank][step]
                 "muon_bytes": muon_bytes,
                 "largest": max(
                     p.numel() * p.element_size()

@@ -41,6 +41,14 @@ EXACT = [
 ]
 
 
+def one_thread_unless_set(args) -> list[str]:
+    """`args` with `--run.threads=1` unless they set run.threads: the suite runs two tests at a time on two
+    cores, where a second intra-op thread per process only spins in OpenMP's barriers (~20% more CPU for
+    a 1-process run, no faster). A test about the default passes `--run.threads=0`."""
+    args = [str(a) for a in args]
+    return args if any(a.startswith("--run.threads=") for a in args) else [*args, "--run.threads=1"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,7 +80,7 @@ def command(
 ) -> list[str]:
     """`launch=None` runs plain python; otherwise `accelerate launch --config_file configs/accelerate/<launch>.yaml`
     (`launcher=LAUNCHER`: the README's `python -m lmpretrain.launch`, same arguments); `recipe`: a fork's."""
-    recipe = [str(recipe), str(config), f"--run.output_dir={out_dir}", *overrides]
+    recipe = [str(recipe), str(config), f"--run.output_dir={out_dir}", *one_thread_unless_set(overrides)]
     if launch is None:
         return [sys.executable, *recipe]
     cfg = ROOT / "configs" / "accelerate" / f"{launch}.yaml"
@@ -254,7 +262,7 @@ def start_forked(
     path (or an open file's) that receives the run's output."""
     if launch is not None and "--main_process_port" not in launch_args:
         launch_args = [*launch_args, "--main_process_port", str(free_port())]
-    args = [str(config), f"--run.output_dir={out_dir}", *overrides]
+    args = [str(config), f"--run.output_dir={out_dir}", *one_thread_unless_set(overrides)]
     return _server().start(launch, launch_args, recipe, args, env, getattr(log, "name", log))
 
 
@@ -275,7 +283,7 @@ def run_each(arg_lists: list[list[str]], timeout=600, env=None) -> list[str]:
     `timeout` is per run."""
     outputs = []
     for args in arg_lists:
-        proc = _server().start(None, [], RECIPE, args, env)
+        proc = _server().start(None, [], RECIPE, one_thread_unless_set(args), env)
         outputs.append(_wait(proc, timeout))
         assert proc.returncode == 0, f"run {args} exited {proc.returncode}:\n{outputs[-1][-6000:]}"
     return outputs

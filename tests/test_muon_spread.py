@@ -1,13 +1,14 @@
 """Muon at scale: the batched iteration equals one matrix at a time, the iteration dtype, the owner
-assignment, and (slow) real gloo processes at 2 and 4 ranks: FSDP2 and DDP, spread and not, equal one
-process (float64, 1e-6), with the bytes each rank receives counted around the collectives."""
+assignment, and (slow) real gloo processes at 2 and 4 ranks: FSDP2, HSDP (at 4) and DDP, spread and not,
+equal one process (float64, 1e-6), with the bytes each rank receives counted around the collectives and
+the Newton-Schulz work each rank runs."""
 
 import subprocess
 import sys
 
 import pytest
 import torch
-from muon_spread_models import CASES, MODELS, OPTIMIZERS, batch, build, muon_cfg
+from muon_spread_models import MODELS, OPTIMIZERS, batch, build, cases, muon_cfg
 
 import recipe_runner as rr
 from lmpretrain.update.muon_spread import owners, shard_rows, spread_decision
@@ -108,9 +109,16 @@ def test_the_start_up_line_says_which_runs():
     params = [p for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]]
     groups = [g for g in opt.param_groups if g["kind"] == "muon" for _ in g["params"]]
     # the DDP roofline: these 32-wide float64 matrices spread on a CPU, not on a GPU (comm-bound there)
-    assert spread_decision(params, groups, 2, False, cpu)[0]
-    spread, why = spread_decision(params, groups, 2, False, torch.device("cuda"))
+    assert spread_decision(params, groups, 2, False, cpu).ranks
+    spread, _, why = spread_decision(params, groups, 2, False, torch.device("cuda"))
     assert not spread and why.startswith("not spread (optim.muon_spread=auto: Newton-Schulz ")
+    # HSDP (2 replica groups x 2 shards): routed in the shard groups; over the replicas by the same roofline
+    hsdp = spread_decision(params, groups, 4, True, cpu, replicas=2)
+    assert hsdp.ranks and hsdp.replicas, hsdp
+    assert hsdp.where.startswith("spread over the 2 ranks of each shard group under HSDP (auto: ")
+    assert "and over the 2 replica groups (optim.muon_spread=auto: Newton-Schulz " in hsdp.where
+    gpu = spread_decision(params, groups, 4, True, torch.device("cuda"), replicas=2)
+    assert gpu.ranks and not gpu.replicas and "not over the 2 replica groups" in gpu.where
 
 
 # ---- Real gloo processes (slow) -------------------------------------------------------------------
@@ -163,11 +171,11 @@ def launch(world: int, out) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_and_ddp_spread_or_not_equal_one_process_and_fsdp2_receives_2_over_world(
+def test_fsdp2_hsdp_and_ddp_spread_or_not_equal_one_process_and_fsdp2_receives_2_over_world(
     world, reference, tmp_path
 ):
     runs = launch(world, tmp_path / "runs.pt")
-    assert len(runs) == len(MODELS) * len(CASES)
+    assert len(runs) == len(MODELS) * len(cases(world))
     for (model_type, layout, spread, optimizer), run in runs.items():
         ref = reference[model_type, optimizer]
         for name, w in run["weights"].items():
@@ -176,7 +184,24 @@ def test_fsdp2_and_ddp_spread_or_not_equal_one_process_and_fsdp2_receives_2_over
         share = run["muon_bytes"] / world
         worst = max(max(steps) for steps in run["received"])  # bytes from other ranks, worst rank and step
         ops = run["funcol"][-1]  # every collective of the last step (CommDebugMode)
-        if layout == "fsdp2" and optimizer == "normuon":  # and one all-reduce of per-neuron sums
+        # Newton-Schulz FLOPs of the last step: every rank's, and one process's (a rank that spreads nothing)
+        work = [steps[-1] for steps in run["flops"]]
+        whole = runs[model_type, "ddp", "never", "muon"]["flops"][0][-1]
+        if spread == "always":  # each matrix orthogonalised once in the world, every rank doing a part
+            assert sum(work) == whole and 0 < max(work) < whole, (model_type, layout, work, whole)
+        else:
+            assert work == [whole] * world
+        if layout == "hsdp" and spread == "always":  # routed in the shard group, shared in the replica group
+            shards = world // 2
+            rest = dict(ops)
+            assert rest.pop("c10d.alltoall_base_") == 2 and rest.pop("c10d._allgather_base_") >= 1, ops
+            assert rest == ({} if optimizer == "muon" else {"c10d.allreduce_": 1}), ops  # NorMuon's sums
+            assert run["calls"]["all_to_all_single"] == 2 and run["calls"]["all_gather_into_tensor"] >= 1
+            # 2/shards of the matrices' bytes from the shard group, then the other replica's half of this
+            # rank's owned matrices (padded to the larger half: at most the largest tensor more)
+            bound = 2.2 * run["muon_bytes"] / shards + run["muon_bytes"] / shards / 2 + run["largest"]
+            assert 0 < worst <= bound, (model_type, optimizer, worst / bound)
+        elif layout == "fsdp2" and optimizer == "normuon":  # and one all-reduce of per-neuron sums
             assert ops == {"c10d.alltoall_base_": 2, "c10d.allreduce_": 1}, ops
             assert run["calls"] == {"all_to_all_single": 2, "all_reduce": 1}
             assert 0 < worst <= 2.2 * share, (model_type, worst / share)
@@ -187,7 +212,7 @@ def test_fsdp2_and_ddp_spread_or_not_equal_one_process_and_fsdp2_receives_2_over
             assert ops == {"c10d._allgather_base_": 1} and run["calls"] == {"all_gather_into_tensor": 1}
             # whole tensors are balanced largest first: no rank's share exceeds the mean plus the largest
             assert 0 < worst <= (world - 1) * (share + run["largest"])
-        elif layout == "fsdp2":  # not spread: each update gathered whole on every rank
+        elif layout in ("fsdp2", "hsdp"):  # not spread: each update gathered whole on every rank
             assert set(ops) == {"c10d_functional.all_gather_into_tensor"} and run["calls"] == {}
         else:  # DDP, not spread: every rank orthogonalises every matrix, nothing is sent
             assert ops == {} and run["calls"] == {}

@@ -38,8 +38,9 @@ TRAIN_KEYS = {
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """The smoke config exactly as shipped (20 steps, accumulation 2, eval + checkpoint every 10)."""
-    return rr.run(tmp_path_factory.mktemp("smoke") / "run")
+    """The smoke config exactly as shipped (20 steps, accumulation 2, eval + checkpoint every 10), with
+    the default thread count (run.threads=0: every core)."""
+    return rr.run(tmp_path_factory.mktemp("smoke") / "run", "--run.threads=0")
 
 
 # The runs of the tests below that are about the training loop, not the launcher (the smoke run above is

@@ -24,7 +24,7 @@ import psutil
 import torch
 import torch.distributed as dist
 import yaml
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator, ParallelismConfig, PartialState
 from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedType,
@@ -56,6 +56,7 @@ class RuntimeInfo:
     sharding: str
     restarts: int = 0  # torch elastic's restarts of this launch's process group so far
     max_restarts: int = 0
+    replicas: int = 1  # HSDP's replica groups (parallelism_config's dp_replicate_size)
 
     def describe(self) -> str:
         return (
@@ -153,6 +154,9 @@ def _cpu_fsdp2_accelerator(train, log_with, timeout_s) -> Accelerator:
             "(set fsdp_version: 2, as configs/accelerate/cpu-fsdp.yaml does)"
         )
     plugin = _fsdp_plugin(train)
+    # A launch config's parallelism_config (HSDP: dp_replicate_size x dp_shard_size) is checked against the
+    # distributed type inside Accelerator(), before the switch below; it is applied after it.
+    hybrid = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
     accelerator = Accelerator(
         cpu=True,
         log_with=log_with,
@@ -168,6 +172,11 @@ def _cpu_fsdp2_accelerator(train, log_with, timeout_s) -> Accelerator:
         # same): otherwise the next one resets the type to MULTI_CPU, and accumulate() then takes its
         # non-FSDP branch, reduce-scattering the gradients of every micro-batch instead of the last.
         PartialState().distributed_type = DistributedType.FSDP
+        if hybrid:  # what Accelerator() does with it on GPUs: the mesh fully_shard then shards over
+            parallelism = ParallelismConfig()  # its sizes from the launch config's PARALLELISM_CONFIG_*
+            accelerator.state.parallelism_config = parallelism
+            accelerator.state.device_mesh = parallelism.get_device_mesh("cpu")
+            parallelism._validate_accelerator(accelerator)
     return accelerator
 
 
@@ -328,10 +337,15 @@ def check_deepspeed(ds_config: dict, train) -> None:
 
 def describe_runtime(accelerator: Accelerator, threads: int) -> RuntimeInfo:
     dtype = accelerator.distributed_type
+    parallelism = accelerator.parallelism_config
+    replicas = parallelism.dp_replicate_size if parallelism and parallelism.dp_replicate_enabled else 1
     sharding = "none"
     if dtype == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin
         sharding = f"fsdp{getattr(plugin, 'fsdp_version', 1)}"
+        if replicas > 1:
+            shards = accelerator.num_processes // replicas
+            sharding += f" HSDP: {replicas} replica groups x {shards} shards (parallelism_config)"
         if accelerator.device.type == "cpu":
             sharding += " (accelerate's FSDP2 over gloo, switched on by the recipe on cpu)"
     elif dtype == DistributedType.DEEPSPEED:
@@ -349,6 +363,7 @@ def describe_runtime(accelerator: Accelerator, threads: int) -> RuntimeInfo:
         sharding=sharding,
         restarts=restart_count(),
         max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+        replicas=replicas,
     )
 
 

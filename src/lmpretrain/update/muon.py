@@ -13,8 +13,9 @@ FSDP2 equals DDP), refuses 3-D expert stacks and cannot orthogonalise a DTensor 
 * the iteration (newton_schulz.py) runs once per matrix shape on the whole batch of that shape, in
   optim.muon_ns_dtype (auto: bfloat16 on CUDA, float32 on CPUs, float64 for float64 parameters);
 * at world size > 1 the matrices are spread over the ranks (muon_spread.py, optim.muon_spread): under
-  FSDP2 each matrix's rows go to the one rank that orthogonalises it and come back; under DDP each rank
-  does its share and the results are all-gathered;
+  FSDP2 each matrix's rows go to the one rank that orthogonalises it and come back (under HSDP the
+  replica groups split that work too); under DDP each rank does its share and the results are
+  all-gathered;
 * MoE expert weights (E, rows, cols) are a batch of E matrices; a projection that fuses Q, K and V in one
   matrix (GPT-2's c_attn, split by its attention's `split_size`) is orthogonalised per projection.
 """
@@ -29,7 +30,7 @@ from torch.optim._muon import _adjust_lr
 from transformers.pytorch_utils import Conv1D
 
 from lmpretrain.errors import ConfigError
-from lmpretrain.update.muon_spread import orthogonalised, spread_decision
+from lmpretrain.update.muon_spread import orthogonalised, replica_count, spread_decision
 from lmpretrain.update.newton_schulz import batches, iteration_dtype
 from lmpretrain.update.normuon import SECOND_MOMENT, normalise_neurons, second_moment_like
 
@@ -189,10 +190,15 @@ class MuonAdamW(torch.optim.Optimizer):
         params = [p for _, ps, _ in work for p in ps]
         groups = [g for g, ps, _ in work for _ in ps]
         updates = [u for _, _, us in work for u in us]
-        spread, _ = spread_decision(
-            params, groups, _world_size(), isinstance(updates[0], DTensor), _local_device(updates[0])
+        spread = spread_decision(
+            params,
+            groups,
+            _world_size(),
+            isinstance(updates[0], DTensor),
+            _local_device(updates[0]),
+            replica_count(updates[0]),
         )
-        orthos = orthogonalised(updates, groups, spread)
+        orthos = orthogonalised(updates, groups, spread.ranks, spread.replicas)
         normed = [i for i, g in enumerate(groups) if g["normuon"]]
         if normed:  # NorMuon: per neuron, on each rank's part of the results (normuon.py)
             for i in normed:
@@ -263,7 +269,7 @@ def describe_muon(optimizer: MuonAdamW) -> str:
 
 
 def describe_muon_implementation(
-    optimizer: MuonAdamW, device: torch.device, world_size: int, sharded: bool
+    optimizer: MuonAdamW, device: torch.device, world_size: int, sharded: bool, replicas: int = 1
 ) -> str:
     """The iteration's dtype and batches, and where it runs (the spread decision and its reason)."""
     pairs = [(p, g) for g in optimizer.param_groups if g["kind"] == "muon" for p in g["params"]]
@@ -271,7 +277,7 @@ def describe_muon_implementation(
     g = groups[0]
     dtype = iteration_dtype(g["ns_dtype"], params[0].dtype, device)
     shapes = [_out_in(p, group) for p, group in pairs]
-    _, where = spread_decision(params, groups, world_size, sharded, device)
+    where = spread_decision(params, groups, world_size, sharded, device, replicas).where
     if g["normuon"]:
         sums = (
             " (its sums over the row shards: all-reduces of a few numbers per matrix)"

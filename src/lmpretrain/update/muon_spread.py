@@ -5,8 +5,10 @@
   orthogonalises its matrices (batched), and a second all-to-all returns each rank its rows of the
   results. A rank receives about 2 x (the matrices' bytes / world): its own matrices' other rows, then its
   rows of everyone else's. A 3-D expert stack sharded on dim 0 holds whole experts on each rank: they are
-  orthogonalised where they are, with no communication. Under HSDP the same runs within each shard
-  group (the replicas repeat it).
+  orthogonalised where they are, with no communication. Under HSDP (a 2-D mesh: replicas x shards) the
+  same runs within each shard group, and the replica groups split each owner's matrices (and expert
+  stacks) as DDP does: each replica orthogonalises its share, one all-gather over the replica group
+  shares the results, so the work per rank falls by the whole world size, not the shard group's.
 * DDP (plain tensors, every rank holds every update): each rank orthogonalises its share and one
   all-gather gives every rank all the results.
 * Not spread: every rank orthogonalises every matrix (FSDP2: each update is gathered whole first).
@@ -18,6 +20,7 @@ tensor values), so it runs on gloo, NCCL and a fake process group alike.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,33 +44,82 @@ def ns_flops(shape: tuple[int, ...], steps: int, pieces: int = 1) -> int:
     return batch * steps * (4 * rows * rows * cols + 2 * rows**3)
 
 
-def spread_decision(params: list, groups: list[dict], world: int, sharded: bool, device) -> tuple[bool, str]:
-    """Whether the matrices' orthogonalisation is spread over the ranks, and why (the start-up line's words)."""
-    setting = groups[0]["spread"]
-    if world == 1:
-        return False, "one process: every matrix here"
-    if setting == "never":
-        return False, f"optim.muon_spread=never: each of the {world} ranks orthogonalises every matrix"
-    if sharded:
-        how = "each matrix's rows go to its owner rank and its result's rows come back (two all-to-alls)"
-        why = "always" if setting == "always" else "auto: it moves fewer bytes than gathering every matrix"
-        return True, f"spread over {world} ranks under FSDP2 ({why}): {how}"
-    how = "each rank orthogonalises its share, one all-gather shares the results"
-    if setting == "always":
-        return True, f"spread over {world} ranks (optim.muon_spread=always): {how}"
-    flops = sum(
+class Spread(NamedTuple):
+    """Where the orthogonalisation runs: over the ranks (the shard group under FSDP2), also over HSDP's
+    replica groups, and the start-up line's words for it."""
+
+    ranks: bool
+    replicas: bool
+    where: str
+
+
+def _roofline(params: list, groups: list[dict], world: int, device, share: float = 1.0) -> tuple[bool, str]:
+    """Whether spreading `share` of the matrices over `world` ranks saves more Newton-Schulz time than the
+    all-gather of their results costs (ROOFLINE's rates), and the figures."""
+    flops = share * sum(
         ns_flops(tuple(p.shape), g["ns_steps"], g["pieces"]) for p, g in zip(params, groups, strict=True)
     )
-    nbytes = sum(p.numel() * p.element_size() for p in params)
+    nbytes = share * sum(p.numel() * p.element_size() for p in params)
     rate, bandwidth = ROOFLINE.get(device.type, ROOFLINE["cuda"])
     saved, cost = flops / rate * (1 - 1 / world), nbytes / bandwidth * (1 - 1 / world)
-    roofline = (
+    words = (
         f"Newton-Schulz {flops / 1e9:.3g} GFLOP at {rate:.0e} FLOP/s saves {saved * 1e3:.3g} ms, the all-gather "
         f"of {nbytes / 2**20:.3g} MiB at {bandwidth:.0e} B/s costs {cost * 1e3:.3g} ms"
     )
-    if saved > cost:
-        return True, f"spread over {world} ranks (optim.muon_spread=auto: {roofline}): {how}"
-    return False, f"not spread (optim.muon_spread=auto: {roofline}): every rank orthogonalises every matrix"
+    return saved > cost, words
+
+
+def spread_decision(
+    params: list, groups: list[dict], world: int, sharded: bool, device, replicas: int = 1
+) -> Spread:
+    """Whether the matrices' orthogonalisation is spread over the ranks (and, under HSDP, over the
+    `replicas` replica groups), and why (the start-up line's words)."""
+    setting = groups[0]["spread"]
+    if world == 1:
+        return Spread(False, False, "one process: every matrix here")
+    if setting == "never":
+        return Spread(
+            False, False, f"optim.muon_spread=never: each of the {world} ranks orthogonalises every matrix"
+        )
+    if sharded:
+        how = "each matrix's rows go to its owner rank and its result's rows come back (two all-to-alls)"
+        why = "always" if setting == "always" else "auto: it moves fewer bytes than gathering every matrix"
+        if replicas == 1:
+            return Spread(True, False, f"spread over {world} ranks under FSDP2 ({why}): {how}")
+        shards = world // replicas
+        line = f"spread over the {shards} ranks of each shard group under HSDP ({why}): {how}; "
+        over, roofline = _roofline(params, groups, replicas, device, share=1 / shards)
+        if setting == "always" or over:
+            why = "optim.muon_spread=always" if setting == "always" else f"optim.muon_spread=auto: {roofline}"
+            return Spread(
+                True,
+                True,
+                line + f"and over the {replicas} replica groups ({why}): each does its share of an owner's "
+                "matrices, one all-gather over the replica group shares the results",
+            )
+        return Spread(
+            True,
+            False,
+            line
+            + f"not over the {replicas} replica groups (optim.muon_spread=auto: {roofline}): each repeats the work",
+        )
+    how = "each rank orthogonalises its share, one all-gather shares the results"
+    if setting == "always":
+        return Spread(True, False, f"spread over {world} ranks (optim.muon_spread=always): {how}")
+    over, roofline = _roofline(params, groups, world, device)
+    if over:
+        return Spread(True, False, f"spread over {world} ranks (optim.muon_spread=auto: {roofline}): {how}")
+    return Spread(
+        False,
+        False,
+        f"not spread (optim.muon_spread=auto: {roofline}): every rank orthogonalises every matrix",
+    )
+
+
+def replica_count(t: torch.Tensor) -> int:
+    """HSDP: how many replica groups hold a dim-0-sharded DTensor (1 for plain tensors and FSDP2)."""
+    dim = _replica_dim(t) if isinstance(t, DTensor) else None
+    return 1 if dim is None else t.device_mesh.size(dim)
 
 
 def owners(sizes: list[int], world: int) -> list[int]:
@@ -86,8 +138,9 @@ def shard_rows(n: int, world: int) -> list[int]:
     return [max(0, min(size, n - r * size)) for r in range(world)]
 
 
-def orthogonalised(updates: list, groups: list[dict], spread: bool) -> list:
-    """Every update orthogonalised (per projection, per expert); DTensors come back with their placements."""
+def orthogonalised(updates: list, groups: list[dict], spread: bool, over_replicas: bool = False) -> list:
+    """Every update orthogonalised (per projection, per expert); DTensors come back with their placements.
+    `over_replicas`: under HSDP, the replica groups split the work too."""
     out: list = [None] * len(updates)
     plain = [i for i, u in enumerate(updates) if not isinstance(u, DTensor)]
     sharded = [i for i, u in enumerate(updates) if isinstance(u, DTensor)]
@@ -100,7 +153,9 @@ def orthogonalised(updates: list, groups: list[dict], spread: bool) -> list:
             out[i] = r
     routable = [i for i in sharded if spread and _shard_dim(updates[i]) is not None]
     for i, r in zip(
-        routable, _routed([updates[i] for i in routable], [groups[i] for i in routable]), strict=True
+        routable,
+        _routed([updates[i] for i in routable], [groups[i] for i in routable], over_replicas),
+        strict=True,
     ):
         out[i] = r
     rest = [i for i in sharded if i not in set(routable)]
@@ -150,9 +205,10 @@ def _by_dtype(updates: list) -> list[list[int]]:
     return [[i for i, u in enumerate(updates) if u.dtype == d] for d in order]
 
 
-def _gathered(updates: list[torch.Tensor], groups: list[dict]) -> list[torch.Tensor]:
-    """DDP: each rank orthogonalises the updates it owns; an all-gather of equal-size (padded) buffers."""
-    world, me = dist.get_world_size(), dist.get_rank()
+def _gathered(updates: list[torch.Tensor], groups: list[dict], pg=None) -> list[torch.Tensor]:
+    """DDP (and HSDP's replica groups, `pg`): each rank orthogonalises the updates it owns; an all-gather
+    of equal-size (padded) buffers. Every rank of `pg` holds the same updates."""
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
     out: list = [None] * len(updates)
     for idx in _by_dtype(updates):
         owner = owners([updates[i].numel() for i in idx], world)
@@ -164,7 +220,7 @@ def _gathered(updates: list[torch.Tensor], groups: list[dict]) -> list[torch.Ten
         done = _flat(_local([updates[i] for i in mine], [groups[i] for i in mine]), like)
         buffer[: done.numel()] = done
         everything = like.new_empty(world * width)
-        dist.all_gather_into_tensor(everything, buffer)
+        dist.all_gather_into_tensor(everything, buffer, group=pg)
         for r, chunk in enumerate(everything.split(width)):
             sizes = [updates[i].numel() for i in per_rank[r]]
             for i, part in zip(per_rank[r], chunk[: sum(sizes)].split(sizes), strict=True):
@@ -179,17 +235,43 @@ def _shard_dim(update: DTensor) -> int | None:
     return dims[0] if len(dims) == 1 and others else None
 
 
-def _routed(updates: list[DTensor], groups: list[dict]) -> list[DTensor]:
+def _replica_dim(update: DTensor) -> int | None:
+    """HSDP: the one other mesh dim of a tensor sharded on dim 0 (it replicates it), else None."""
+    shard = _shard_dim(update)
+    if shard is None or len(update.placements) != 2:
+        return None
+    return 1 - shard
+
+
+def _here(updates: list[torch.Tensor], groups: list[dict], like: DTensor, over_replicas: bool) -> list:
+    """Whole matrices this rank holds, orthogonalised here or, under HSDP, shared with its replica group."""
+    dim = _replica_dim(like) if over_replicas else None
+    if dim is None:
+        return _local(updates, groups)
+    return _gathered(updates, groups, like.device_mesh.get_group(dim))
+
+
+def _routed(updates: list[DTensor], groups: list[dict], over_replicas: bool) -> list[DTensor]:
     """FSDP2: expert stacks where they are; matrices to their owners and back (see the module's doc)."""
     out: list = [None] * len(updates)
     stacks = [i for i, u in enumerate(updates) if u.dim() == 3]  # dim-0 shards of experts: whole matrices
-    local = _local([updates[i].to_local() for i in stacks], [groups[i] for i in stacks])
+    local = (
+        _here(
+            [updates[i].to_local() for i in stacks],
+            [groups[i] for i in stacks],
+            updates[stacks[0]],
+            over_replicas,
+        )
+        if stacks
+        else []
+    )
     for i, r in zip(stacks, local, strict=True):
         out[i] = _like(r, updates[i])
     matrices = [i for i, u in enumerate(updates) if u.dim() != 3]
     for idx in _by_dtype([updates[i] for i in matrices]):
         idx = [matrices[j] for j in idx]
-        for i, r in zip(idx, _exchange([updates[i] for i in idx], [groups[i] for i in idx]), strict=True):
+        exchanged = _exchange([updates[i] for i in idx], [groups[i] for i in idx], over_replicas)
+        for i, r in zip(idx, exchanged, strict=True):
             out[i] = r
     return out
 
@@ -205,8 +287,9 @@ def _like(local: torch.Tensor, update: DTensor) -> DTensor:
     )
 
 
-def _exchange(updates: list[DTensor], groups: list[dict]) -> list[DTensor]:
-    """Rows to the owners, orthogonalised there, rows back: two all-to-alls over the shard group."""
+def _exchange(updates: list[DTensor], groups: list[dict], over_replicas: bool) -> list[DTensor]:
+    """Rows to the owners, orthogonalised there (HSDP: split with the replica group), rows back: two
+    all-to-alls over the shard group."""
     mesh, dim = updates[0].device_mesh, _shard_dim(updates[0])
     pg, world, me = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
     n = len(updates)
@@ -226,7 +309,7 @@ def _exchange(updates: list[DTensor], groups: list[dict]) -> list[DTensor]:
     for s, chunk in enumerate(inbox.split(received)):
         for j, piece in zip(mine, chunk.split([rows[j][s] * width[j] for j in mine]), strict=True):
             parts[j].append(piece.view(rows[j][s], *updates[j].shape[1:]))
-    results = _local([torch.cat(parts[j]) for j in mine], [groups[j] for j in mine])
+    results = _here([torch.cat(parts[j]) for j in mine], [groups[j] for j in mine], updates[0], over_replicas)
     # 2: to every rank s its rows of my results; from every owner, my rows of its
     starts = [[sum(rows[j][:s]) for s in range(world)] for j in range(n)]
     outbox = _flat(

@@ -107,9 +107,11 @@ def describe_implementation(
     device: torch.device,
     world_size: int = 1,
     sharded: bool = False,
+    replicas: int = 1,
 ) -> str:
     """Which AdamW kernel runs, and why when it is not the one asked for; with Muon, how its iteration runs
-    (dtype, batches) and whether it is spread over the `world_size` ranks (`sharded`: FSDP2)."""
+    (dtype, batches) and whether it is spread over the `world_size` ranks (`sharded`: FSDP2; `replicas`:
+    HSDP's replica groups)."""
     fused = next(g["fused"] for g in optimizer.param_groups if g.get("kind") != "muon")
     why = ""
     if optim_cfg.fused and not fused:
@@ -118,7 +120,7 @@ def describe_implementation(
         why = " (optim.fused=false)"
     line = f"AdamW implementation: {'fused' if fused else 'foreach'}{why}"
     if isinstance(optimizer, MuonAdamW):
-        line += "; " + describe_muon_implementation(optimizer, device, world_size, sharded)
+        line += "; " + describe_muon_implementation(optimizer, device, world_size, sharded, replicas)
     return line
 
 

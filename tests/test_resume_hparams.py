@@ -23,6 +23,7 @@ BASE = [
     "--train.skip_spikes=true",
     "--train.spike_window=4",  # short enough for this run's small loss bumps to count as spikes
     "--train.spike_sigma=1",
+    "--data.doc_shuffle_window=64",  # the document order whose one loss bump this window judges a spike
     "--checkpoint.every=8",
     "--checkpoint.keep_last=5",
     "--eval.every=0",

@@ -174,6 +174,13 @@ def _cpu_fsdp2_accelerator(train, log_with, timeout_s) -> Accelerator:
         PartialState().distributed_type = DistributedType.FSDP
         if hybrid:  # what Accelerator() does with it on GPUs: the mesh fully_shard then shards over
             parallelism = ParallelismConfig()  # its sizes from the launch config's PARALLELISM_CONFIG_*
+            if parallelism.total_size != accelerator.num_processes:  # torch would fail building the mesh
+                raise LaunchError(
+                    f"the launch config's parallelism_config asks for {parallelism.dp_replicate_size} replica "
+                    f"groups x {parallelism.dp_shard_size} shards = {parallelism.total_size} processes, but "
+                    f"{accelerator.num_processes} were launched: make parallelism_config_dp_replicate_size x "
+                    "parallelism_config_dp_shard_size equal num_processes"
+                )
             accelerator.state.parallelism_config = parallelism
             accelerator.state.device_mesh = parallelism.get_device_mesh("cpu")
             parallelism._validate_accelerator(accelerator)

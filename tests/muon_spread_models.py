@@ -51,7 +51,8 @@ CASES = (
     ("fsdp2", "always", "normuon"),
     ("ddp", "always", "normuon"),
 )
-# At 4 ranks also HSDP, 2 replica groups x 2 shards: spread over both, over the shard groups only, and not
+# At 4 ranks also HSDP, 2 replica groups x 2 shards: Muon spread over both (always) and not at all
+# (never), NorMuon spread over both
 HSDP_CASES = (("hsdp", "always", "muon"), ("hsdp", "never", "muon"), ("hsdp", "always", "normuon"))
 
 

@@ -1,8 +1,9 @@
 """One rank of tests/test_muon_spread.py's gloo runs: tiny float64 models take two Muon steps on the same
 batch on every rank, sharded by FSDP2 (fully_shard; at 4 ranks also HSDP, a 2 x 2 mesh of replicas and
-shards) or replicated as under DDP (same gradients on every rank), with optim.muon_spread always and never; and two NorMuon steps (with Polar Express coefficients)
-spread under both. Rank 0 saves each run's final weights and, per rank, the bytes each collective of the
-optimizer step received.
+shards) or replicated as under DDP (same gradients on every rank), with optim.muon_spread always and
+never; and two NorMuon steps (with Polar Express coefficients) spread under each. Rank 0 saves each run's
+final weights and, per rank and step, the bytes the optimizer step's collectives received and the
+Newton-Schulz FLOPs it ran.
 
     python tests/muon_spread_worker.py OUT_FILE  (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 """

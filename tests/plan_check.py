@@ -1,4 +1,4 @@
-"""The planner (python -m lmpretrain.plan) against a real 2-rank run of the recipe.
+"""The planner (python -m lmpretrain.plan) against a real 2-rank (HSDP: 4-rank) run of the recipe.
 
 A run launched with `--logging.bytes_at_step=N` (recipe_runner.EXACT has it) logs what its step N sent and
 held on rank 0 (observe/step_bytes.py, the planner's own byte counter around the recipe's real step). The
@@ -31,18 +31,18 @@ def logged(run) -> dict:
     return rows[0]
 
 
-def plan_of(run, launch: str):
+def plan_of(run, launch: str, world: int = 2):
     cfg = load_config([str(run.out / "config.yaml")])
     return simulate(
-        cfg, build_model_config(cfg.model), read_launch(str(ACCELERATE / f"{launch}.yaml"), 2, 1),
+        cfg, build_model_config(cfg.model), read_launch(str(ACCELERATE / f"{launch}.yaml"), world, 1),
         cfg.train.micro_batch_size,
     )  # fmt: skip
 
 
-def compare(run, launch: str) -> tuple[dict[str, tuple[float, float]], list[str]]:
+def compare(run, launch: str, world: int = 2) -> tuple[dict[str, tuple[float, float]], list[str]]:
     """(planned, real) per figure, and the figures off: the bytes held not exactly equal, a collective kind
     not within 2% (kinds under LOOP_BYTES on both sides are the loop's bookkeeping and not compared)."""
-    real, plan = logged(run), plan_of(run, launch)
+    real, plan = logged(run), plan_of(run, launch, world)
     figures = {k: (getattr(plan, k), real[f"memory/{k}_bytes"]) for k in ("params", "grads", "optimizer")}
     figures |= {k: (plan.comm[k], real[f"comm/{k}_bytes"]) for k in (*KINDS, "muon")}
     off = []

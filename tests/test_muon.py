@@ -461,6 +461,30 @@ def test_fsdp2_trains_like_ddp_in_float64(fsdp, ddp):
     assert_close_runs(fsdp, ddp, rel=1e-6)
 
 
+@pytest.mark.slow
+def test_hsdp_on_four_ranks_trains_like_fsdp2_and_a_mesh_of_another_size_is_refused(fsdp, tmp_path):
+    """configs/accelerate/cpu-hsdp.yaml: 2 replica groups x 2 shards, the same global batch as the 2-rank
+    FSDP2 run (4 ranks x 1 row x 2 micro-batches), NorMuon spread in each shard group and over the replicas."""
+    hsdp = rr.run(
+        tmp_path / "hsdp", *FSDP_RUN, "--train.micro_batch_size=1", launch="cpu-hsdp", timeout=TIMEOUT
+    )
+    assert "sharding=fsdp2 HSDP: 2 replica groups x 2 shards (parallelism_config)" in hsdp.output
+    assert "and over the 2 replica groups (optim.muon_spread=auto" in hsdp.output
+    assert_close_runs(hsdp, fsdp, rel=1e-6)
+    figures, off = plan_check.compare(hsdp, "cpu-hsdp", world=4)  # the planner's HSDP step, as rank 0 ran it
+    assert figures["all_reduce"][1] > figures["params"][1] and figures["muon"][1] > 0, figures
+    assert off == [], figures
+    bad = rr.run(
+        tmp_path / "bad", *FSDP_RUN, launch="cpu-hsdp", launch_args=["--num_processes", "3"], check=False
+    )
+    assert bad.returncode != 0 and not (tmp_path / "bad").exists()
+    assert (
+        "error: the launch config's parallelism_config asks for 2 replica groups x 2 shards = 4 processes, "
+        "but 3 were launched: make parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size "
+        "equal num_processes"
+    ) in bad.output
+
+
 def killed_then_resumed(out, launch: str) -> tuple[int, rr.Run]:
     with open(out.parent / f"{out.name}.log", "w") as log:
         proc = rr.start_forked(out, *FSDP_RUN, launch=launch, log=log)

@@ -21,7 +21,8 @@ from lmpretrain.plan.hardware import load_gpu
 from lmpretrain.plan.launch import Launch, read_launch
 from lmpretrain.plan.planner import make_plan
 from lmpretrain.plan.preflight import verdict
-from lmpretrain.plan.simulate import simulate
+from lmpretrain.plan.roofline import step_time
+from lmpretrain.plan.simulate import Step, simulate
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -36,6 +37,10 @@ def _cfg(name: str, *overrides: str):
         (["--gpu", "h1000"], "unknown GPU; known: h100"),
         (["--config_file", "configs/accelerate/nope.yaml"], "not a file"),
         (["--num_processes", "3"], "must be a multiple of the world size 3"),
+        (
+            ["--config_file", "configs/accelerate/cpu-hsdp.yaml", "--num_processes", "8"],
+            "parallelism_config asks for 2 replica groups x 2 shards = 4 processes, but --num_processes is 8",
+        ),
     ],
 )
 def test_bad_input_is_one_message_and_exit_2(args, message, capsys):
@@ -127,3 +132,23 @@ def test_cuda_preflight_verdict_names_the_micro_batch_that_fits():
     message = verdict(plan, 80 * 2**30, cfg)
     assert "90.0 GiB" in message and "--train.micro_batch_size=4 --train.grad_accum_steps=16" in message
     assert verdict({**plan, "per_rank_bytes": {"total_peak": 70 * 2**30}}, 80 * 2**30, cfg) is None
+
+
+def test_hsdp_collectives_are_timed_on_the_links_their_groups_span():
+    """64 H100s as 8 replica groups x 8 shards: the shard group's all-gathers, reduce-scatters and Muon's
+    all-to-alls on NVLink, the gradient all-reduce (overlapped) and Muon's replica all-gather across machines;
+    the same bytes under FSDP2 over the 64 ranks all cross machines."""
+    gpu = load_gpu("h100")
+    comm = {"all_gather": 8e9, "reduce_scatter": 4e9, "all_reduce": 1e9, "muon": 3e9}
+    step = Step(1, 2e9, 1, 1, 1, 1, {"forward": 0.0}, comm, {"all_to_all": 2e9, "all_gather": 1e9})
+    nvlink, inter = (n * 1e9 * 0.8 for n in (gpu.intra_node_gbps, gpu.inter_node_gbps))
+    hsdp, fsdp = step_time(step, gpu, 64, 1, shards=8), step_time(step, gpu, 64, 1)
+    assert hsdp.comm_s == pytest.approx(
+        {"all_gather": 8e9 / nvlink, "reduce_scatter": 4e9 / nvlink, "all_reduce": 1e9 / inter,
+         "muon": 2e9 / nvlink + 1e9 / inter}
+    )  # fmt: skip
+    assert hsdp.exposed_comm_s == pytest.approx(hsdp.comm_s["muon"])  # the all-reduce is the gradients'
+    assert fsdp.comm_s == pytest.approx({kind: value / inter for kind, value in comm.items()})
+    assert "in each shard group of 8" in hsdp.link and "across the replica groups" in hsdp.link
+    # one machine: every group on NVLink, and the link said once
+    assert step_time(step, gpu, 8, 1, shards=4).link == step_time(step, gpu, 8, 1).link

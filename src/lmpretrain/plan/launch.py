@@ -17,6 +17,12 @@ class Launch:
     num_processes: int
     num_machines: int
     reshard_after_forward: bool = True
+    replicas: int = 1  # HSDP: replica groups of num_processes // replicas shards (parallelism_config)
+
+    @property
+    def shards(self) -> int:
+        """The ranks that share one copy of the parameters (all of them, unless HSDP replicates)."""
+        return self.num_processes // self.replicas
 
     @property
     def sharding(self) -> str:
@@ -57,7 +63,8 @@ def read_launch(config_file: str | None, num_processes: int | None, num_machines
             raise PlanError(
                 f"--config_file {config_file}: fsdp_version {version}; the planner plans FSDP2 (fsdp_version: 2)"
             )
-        return Launch("fsdp2", world, machines, bool(fsdp.get("fsdp_reshard_after_forward", True)))
+        replicas = _replica_groups(data.get("parallelism_config") or {}, world, config_file)
+        return Launch("fsdp2", world, machines, bool(fsdp.get("fsdp_reshard_after_forward", True)), replicas)
     if kind == "DEEPSPEED":
         stage = int((data.get("deepspeed_config") or {}).get("zero_stage", 0))
         if stage not in DEEPSPEED_STAGES:
@@ -67,3 +74,23 @@ def read_launch(config_file: str | None, num_processes: int | None, num_machines
             )
         return Launch(f"zero{stage}", world, machines)
     return Launch("none" if world == 1 else "ddp", world, machines)
+
+
+def _replica_groups(parallelism: dict, world: int, config_file: str | None) -> int:
+    """HSDP's replica groups from accelerate's parallelism_config (absent: 1, FSDP2 over every rank); the
+    recipe refuses sizes whose product is not the processes launched, and so does the plan."""
+    sizes = {k.removeprefix("parallelism_config_"): int(v) for k, v in parallelism.items()}
+    others = {k: v for k, v in sizes.items() if k not in ("dp_replicate_size", "dp_shard_size") and v > 1}
+    if others:
+        raise PlanError(
+            f"--config_file {config_file}: parallelism_config {others}; the planner plans data parallelism "
+            "only (parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size)"
+        )
+    replicate, shard = sizes.get("dp_replicate_size", 1), sizes.get("dp_shard_size", 1)
+    if parallelism and replicate * shard != world:
+        raise PlanError(
+            f"--config_file {config_file}: parallelism_config asks for {replicate} replica groups x {shard} "
+            f"shards = {replicate * shard} processes, but --num_processes is {world}: make "
+            "parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size equal num_processes"
+        )
+    return replicate

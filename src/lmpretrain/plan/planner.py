@@ -51,6 +51,7 @@ class Plan:
         s = self.step
         return {
             "world_size": self.launch.num_processes,
+            "replica_groups": self.launch.replicas,
             "gpu": self.gpu.key,
             "per_rank_bytes": {
                 "params": s.params,
@@ -129,7 +130,8 @@ def make_plan(cfg: Config, launch: Launch, gpu: GPU, memory_fraction: float = 0.
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_impl="chunked"))
     model_config = build_model_config(cfg.model)  # no tokenizer: the vocabulary is the model config's
     step = simulate(cfg, model_config, launch, cfg.train.micro_batch_size)
-    timing = step_time(step, gpu, launch.num_processes, cfg.train.grad_accum_steps, cfg.train.fp8 != "none")
+    accum, fp8 = cfg.train.grad_accum_steps, cfg.train.fp8 != "none"
+    timing = step_time(step, gpu, launch.num_processes, accum, fp8, launch.shards)
     per_token, _ = flops_per_token(
         model_config, cfg.data.seq_len
     )  # the recipe's MFU basis (observe/flops.py)
@@ -158,10 +160,12 @@ def format_plan(plan: Plan) -> str:
     s, t, cfg, launch, gpu = plan.step, plan.timing, plan.cfg, plan.launch, plan.gpu
     budget = plan.memory_fraction * gpu.memory_bytes
     tr = cfg.train
+    hsdp = f", HSDP: {launch.replicas} replica groups x {launch.shards} shards" if launch.replicas > 1 else ""
     lines = [
         f"plan: {cfg.config_path} on {launch.num_processes} x {gpu.key} ({gpu.name}), {launch.num_machines} "
         f"machine(s), wrapping {launch.wrapping}"
-        + (f" (reshard_after_forward={launch.reshard_after_forward})" if launch.wrapping == "fsdp2" else ""),
+        + (f" (reshard_after_forward={launch.reshard_after_forward})" if launch.wrapping == "fsdp2" else "")
+        + hsdp,
         f"  step: micro {tr.micro_batch_size} x accum {tr.grad_accum_steps} x {launch.num_processes} ranks x "
         f"{cfg.data.seq_len} tokens = {cfg.global_batch(launch.num_processes) * cfg.data.seq_len:,} tokens; "
         f"precision {tr.precision}, optimizer {cfg.optim.name}, activation checkpointing "

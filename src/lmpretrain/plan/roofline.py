@@ -42,20 +42,39 @@ def hbm_bytes(step, accum: int) -> float:
     return accum * per_micro + 2 * (step.params + step.grads + step.optimizer)
 
 
-def step_time(step, gpu: GPU, world: int, accum: int, fp8: bool = False) -> Timing:
+def _link(gpu: GPU, ranks: int) -> tuple[float, str]:
+    """The effective bandwidth of a collective over `ranks` GPUs, placed on as few nodes as they fit."""
+    spans_nodes = ranks > gpu.gpus_per_node
+    bandwidth = (gpu.inter_node_gbps if spans_nodes else gpu.intra_node_gbps) * 1e9 * COMM_FRACTION
+    name = "inter-node" if spans_nodes else "NVLink/intra-node"
+    return bandwidth, f"{name} {bandwidth / 1e9:.0f} GB/s effective"
+
+
+def step_time(step, gpu: GPU, world: int, accum: int, fp8: bool = False, shards: int | None = None) -> Timing:
+    """`shards` < world: HSDP, whose all-gathers, reduce-scatters and Muon all-to-alls stay in a shard group
+    (on its own link) and whose gradient all-reduce over the replica groups overlaps the backward as DDP's
+    does."""
     executed = sum(step.flops.values())
     compute = executed / (gpu.peak_flops(fp8) * MATMUL_FRACTION)
     hbm = hbm_bytes(step, accum) / (gpu.hbm_gbps * 1e9 * HBM_FRACTION)
-    spans_nodes = world > gpu.gpus_per_node
-    bandwidth = (gpu.inter_node_gbps if spans_nodes else gpu.intra_node_gbps) * 1e9 * COMM_FRACTION
-    link = f"{'inter-node' if spans_nodes else 'NVLink/intra-node'} {bandwidth / 1e9:.0f} GB/s effective"
-    comm = {kind: value / bandwidth for kind, value in step.comm.items() if value}
+    hsdp = shards is not None and shards < world
+    bandwidth, link = _link(gpu, world)
+    per_kind = dict.fromkeys(step.comm, bandwidth)
+    if hsdp:
+        in_group, group_link = _link(gpu, shards)
+        per_kind |= {"all_gather": in_group, "reduce_scatter": in_group}
+        if group_link != link:
+            link = f"{group_link} in each shard group of {shards}, {link} across the replica groups"
+    comm = {kind: value / per_kind[kind] for kind, value in step.comm.items() if value}
+    if hsdp and comm.get("muon"):  # its all-to-alls stay in the shard group, its replica all-gather crosses
+        links = {k: in_group if k == "all_to_all" else bandwidth for k in step.muon_comm}
+        comm["muon"] = sum(v / links[k] for k, v in step.muon_comm.items())
     exposed_kinds = {"muon"}
     overlapped = sum(t for kind, t in comm.items() if kind not in exposed_kinds and kind != "all_reduce")
     # the all-reduce of the step is DDP's gradients (overlapped) or, under FSDP2, the small gradient norm
     grad_all_reduce = comm.get("all_reduce", 0.0)
     exposed = sum(comm.get(kind, 0.0) for kind in exposed_kinds)
-    if step.grads and grad_all_reduce * bandwidth > step.grads:  # DDP/ZeRO-1's gradient all-reduce
+    if hsdp or (step.grads and grad_all_reduce * bandwidth > step.grads):  # gradients, DDP/ZeRO-1's or HSDP's
         overlapped += grad_all_reduce
     else:
         exposed += grad_all_reduce

@@ -182,12 +182,16 @@ def _fsdp2(model, cfg, launch: Launch, world: int):
         mixed_precision_policy=fsdp_policy(cfg.train),
         cpu_ram_efficient_loading=False,  # loading is not part of a step
     )
+    # accelerate's mesh: 1-D over every rank, or HSDP's (replica groups, shards), sharded over the last dim
+    shape, names = ((world,), ("dp_shard",)) if launch.replicas == 1 else (
+        (launch.replicas, launch.shards), ("dp_replicate", "dp_shard")
+    )  # fmt: skip
     with torch._subclasses.fake_tensor.unset_fake_temporarily():  # the mesh holds real rank numbers
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     stand_in = types.SimpleNamespace(  # the attributes fsdp2_prepare_model reads from an Accelerator
         state=types.SimpleNamespace(fsdp_plugin=plugin),
         torch_device_mesh=mesh,
-        parallelism_config=types.SimpleNamespace(fsdp_dim_names=["dp_shard"]),
+        parallelism_config=types.SimpleNamespace(fsdp_dim_names=list(names)),
         mixed_precision="no",  # the recipe's: it owns precision (model/sharded_precision.py)
         is_main_process=True,
         device=torch.device("cpu"),

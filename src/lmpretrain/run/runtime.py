@@ -178,7 +178,8 @@ def _cpu_fsdp2_accelerator(train, log_with, timeout_s) -> Accelerator:
                 raise LaunchError(
                     f"the launch config's parallelism_config asks for {parallelism.dp_replicate_size} replica "
                     f"groups x {parallelism.dp_shard_size} shards = {parallelism.total_size} processes, but "
-                    f"{accelerator.num_processes} were launched: make parallelism_config_dp_replicate_size x "
+                    f"{accelerator.num_processes} {'was' if accelerator.num_processes == 1 else 'were'} launched: "
+                    "make parallelism_config_dp_replicate_size x "
                     "parallelism_config_dp_shard_size equal num_processes"
                 )
             accelerator.state.parallelism_config = parallelism

@@ -11,10 +11,13 @@ for each rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...). Tests about the 
 
 Protocol (one JSON object per line on stdin, one reply per line on stdout):
     {"launch": CONFIG_FILE or null, "launch_args": [...], "recipe": PATH, "args": [...], "env": {...},
-     "cwd": DIR, "log": PATH}  ->  {"pid": PID}
+     "cwd": DIR, "log": PATH, "ranks": [{...}, ...] (optional), "rank_logs": [PATH, ...] (optional)}
+      ->  {"pid": PID}
 The run's ranks write stdout and stderr to `log`; when they are done, the launcher fork writes its exit
 status (0, or 1 when a rank failed, as `accelerate launch` exits; a plain-python run's own status) to
-`log + ".rc"`. Killing the process group PID ends the run.
+`log + ".rc"`. Killing the process group PID ends the run. `ranks` (with `"launch": null`): a script
+run as one rank per environment given, as torchrun would start it (`recipe` is then any script; each
+rank writes to its own `rank_logs` entry; the status is the first failed rank's, else 0).
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ def rank_environments(request: dict) -> tuple[list[dict], bool]:
     return envs, True
 
 
-def run_rank(request: dict, env: dict) -> None:
+def run_rank(request: dict, env: dict, index: int) -> None:
     """In the rank's fork: the recipe as `python RECIPE ARGS` runs it; never returns."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
@@ -123,7 +126,14 @@ def run_rank(request: dict, env: dict) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(request["cwd"])
+    if request.get("rank_logs"):
+        _output_to(request["rank_logs"][index])
+    if request.get("ranks") and "OMP_NUM_THREADS" in env:  # what a new interpreter would start with
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [request["recipe"], *request["args"]]
+    sys.path[0] = str(Path(request["recipe"]).resolve().parent)  # as `python SCRIPT` puts its folder first
     code = 0
     try:
         runpy.run_path(request["recipe"], run_name="__main__")
@@ -164,12 +174,12 @@ def launch(request: dict) -> None:
     _output_to(request["log"])  # accelerate's own warnings go where `accelerate launch` would print them
     code = 1
     try:
-        envs, accelerate = rank_environments(request)
+        envs, accelerate = (request["ranks"], False) if request.get("ranks") else rank_environments(request)
         ranks = []
-        for env in envs:
+        for index, env in enumerate(envs):
             pid = os.fork()
             if pid == 0:
-                run_rank(request, env)
+                run_rank(request, env, index)
             ranks.append(pid)
         codes = {}
         while len(codes) < len(ranks):
@@ -178,7 +188,7 @@ def launch(request: dict) -> None:
             if codes[pid] != 0 and len(ranks) > 1:  # torch elastic: stop the others, SIGKILL after a grace
                 _stop([p for p in ranks if p not in codes], codes)
         statuses = [codes[p] for p in ranks]
-        code = (1 if any(statuses) else 0) if accelerate else statuses[0]
+        code = (1 if any(statuses) else 0) if accelerate else next((c for c in statuses if c), 0)
     except BaseException:  # noqa: BLE001 - a bad launch config: reported in the run's log
         traceback.print_exc()
     sys.stdout.flush()

@@ -185,7 +185,10 @@ class ForkServer:
         ready = self.proc.stdout.readline()
         assert ready.startswith('{"ready"'), f"the fork server did not start: {ready!r}"
 
-    def start(self, launch, launch_args, recipe, args, env, log=None) -> ForkedProcess:
+    def start(
+        self, launch, launch_args, recipe, args, env, log=None, ranks=None, rank_logs=None
+    ) -> ForkedProcess:
+        """`ranks`: `recipe` is a script, run once per environment given (fork_server.py's protocol)."""
         with self.lock:  # tests start runs from threads too: one request and its reply at a time
             self.count += 1
             request = {
@@ -196,6 +199,8 @@ class ForkServer:
                 "env": env_for_runs(env),
                 "cwd": str(ROOT),
                 "log": str(log or self.logs / f"{self.count}.log"),
+                "ranks": [env_for_runs(r) for r in ranks or []],
+                "rank_logs": [str(log) for log in rank_logs or []],
             }
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
@@ -357,36 +362,27 @@ def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     )
 
 
-def launch_two_ranks(script, *args: str, timeout: float = 120) -> list[str]:
-    """Run `script` as ranks 0 and 1 of a torch.distributed group (env:// rendezvous on a free port),
-    as torchrun would; returns both outputs and fails if either rank fails."""
+def launch_ranks(script, *args: str, world: int = 2, timeout: float = 120) -> list[str]:
+    """Run `script` as ranks 0..world-1 of a torch.distributed group (env:// rendezvous on a free port), with
+    the environment torchrun would give each, as forks of the fork server; returns each rank's output and
+    fails if any rank fails (the others are then stopped, as torchrun does)."""
     port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT / "src"),
+    logs = Path(tempfile.mkdtemp(prefix="lmpretrain-ranks-"))
+    ranks = [
+        {
             "OMP_NUM_THREADS": "1",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2",
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+        for rank in range(world)
+    ]
+    rank_logs = [logs / f"rank-{rank}.log" for rank in range(world)]
+    proc = _server().start(None, [], script, list(args), None, logs / "launcher.log", ranks, rank_logs)
+    _wait(proc, timeout)
+    outputs = [log.read_text() if log.exists() else "" for log in rank_logs]
+    assert proc.returncode == 0, f"a rank exited {proc.returncode}:\n" + "\n".join(outputs)
     return outputs

@@ -40,7 +40,7 @@ from lmpretrain.run.fingerprint import (
 )
 from lmpretrain.run.rng import LoopRNG, capture_rng_state, restore_rng_state
 from lmpretrain.run.train_state import TrainState
-from recipe_runner import launch_two_ranks
+from recipe_runner import launch_ranks
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 FORMATS = ["full", "sharded"]
@@ -780,7 +780,7 @@ def two_rank_checkpoints(tmp_path_factory):
     out = tmp_path_factory.mktemp("two-ranks")
     script = out / "worker.py"
     script.write_text(RANK_WORKER)
-    launch_two_ranks(script, str(out), timeout=300)
+    launch_ranks(script, str(out), timeout=300)
     return out, [json.loads((out / f"result-{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -250,7 +250,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     scaler's found-inf flag (max over the mesh), so the skip and the scale back-off agree everywhere."""
     script = tmp_path / "worker.py"
     script.write_text(FP16_WORKER)
-    rr.launch_two_ranks(script, str(tmp_path), timeout=TIMEOUT)
+    rr.launch_ranks(script, str(tmp_path), timeout=TIMEOUT)
     poisoned, clean = zip(
         *(json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)), strict=True
     )

@@ -3,9 +3,6 @@ assignment, and (slow) real gloo processes at 2 and 4 ranks: FSDP2, HSDP (at 4) 
 equal one process (float64, 1e-6), with the bytes each rank receives counted around the collectives and
 the Newton-Schulz work each rank runs."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from muon_spread_models import MODELS, OPTIMIZERS, batch, build, cases, muon_cfg
@@ -149,23 +146,7 @@ def reference():
 
 
 def launch(world: int, out) -> dict:
-    port = rr.free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(rr.ROOT / "tests" / "muon_spread_worker.py"), str(out)],
-            env=rr.env_for_runs(
-                {
-                    "RANK": str(r),
-                    "WORLD_SIZE": str(world),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                }
-            ),
-        )
-        for r in range(world)
-    ]
-    codes = [p.wait(timeout=900) for p in procs]
-    assert codes == [0] * world
+    rr.launch_ranks(rr.ROOT / "tests" / "muon_spread_worker.py", str(out), world=world, timeout=900)
     return torch.load(out, weights_only=False)
 
 

@@ -16,7 +16,7 @@ from accelerate import PartialState
 
 from lmpretrain.checkpoint.checkpointer import Checkpointer, checkpoint_problem
 from lmpretrain.run.preemption import PreemptionHandler
-from recipe_runner import launch_two_ranks
+from recipe_runner import launch_ranks
 
 pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
 
@@ -184,7 +184,7 @@ RANK_WORKER = textwrap.dedent("""
 def test_should_stop_agrees_across_ranks_when_only_one_is_signalled(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(RANK_WORKER)
-    outputs = launch_two_ranks(script)
+    outputs = launch_ranks(script)
     assert "rank 0: before=False after=True" in outputs[0]
     assert "rank 1: before=False after=True" in outputs[1]
 

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from recipe_runner import launch_two_ranks
+from recipe_runner import launch_ranks
 
 WORKER = textwrap.dedent("""
     import json, os, shutil, sys
@@ -72,7 +72,7 @@ WORKER = textwrap.dedent("""
 def test_both_ranks_resume_the_checkpoint_rank_0_resolved(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    launch_two_ranks(script, str(tmp_path), timeout=300)
+    launch_ranks(script, str(tmp_path), timeout=300)
     r0, r1 = (json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(2))
     # Each rank's own listing disagrees: that is the situation the broadcast resolves.
     assert (r0["own_listing"], r1["own_listing"]) == ("step-00000004", "step-00000008")

@@ -21,7 +21,7 @@ from lmpretrain.plan.hardware import load_gpu
 from lmpretrain.plan.launch import Launch, read_launch
 from lmpretrain.plan.planner import make_plan
 from lmpretrain.plan.preflight import verdict
-from lmpretrain.plan.roofline import step_time
+from lmpretrain.plan.roofline import COMM_FRACTION, step_time
 from lmpretrain.plan.simulate import Step, simulate
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -141,7 +141,7 @@ def test_hsdp_collectives_are_timed_on_the_links_their_groups_span():
     gpu = load_gpu("h100")
     comm = {"all_gather": 8e9, "reduce_scatter": 4e9, "all_reduce": 1e9, "muon": 3e9}
     step = Step(1, 2e9, 1, 1, 1, 1, {"forward": 0.0}, comm, {"all_to_all": 2e9, "all_gather": 1e9})
-    nvlink, inter = (n * 1e9 * 0.8 for n in (gpu.intra_node_gbps, gpu.inter_node_gbps))
+    nvlink, inter = (n * 1e9 * COMM_FRACTION for n in (gpu.intra_node_gbps, gpu.inter_node_gbps))
     hsdp, fsdp = step_time(step, gpu, 64, 1, shards=8), step_time(step, gpu, 64, 1)
     assert hsdp.comm_s == pytest.approx(
         {"all_gather": 8e9 / nvlink, "reduce_scatter": 4e9 / nvlink, "all_reduce": 1e9 / inter,

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from lmpretrain.plan.hardware import PlanError
-from lmpretrain.run.runtime import DEEPSPEED_STAGES
+from lmpretrain.run.runtime import DEEPSPEED_STAGES, mesh_size_problem
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,6 @@ def _replica_groups(parallelism: dict, world: int, config_file: str | None) -> i
         )
     replicate, shard = sizes.get("dp_replicate_size", 1), sizes.get("dp_shard_size", 1)
     if parallelism and replicate * shard != world:
-        raise PlanError(
-            f"--config_file {config_file}: parallelism_config asks for {replicate} replica groups x {shard} "
-            f"shards = {replicate * shard} processes, but --num_processes is {world}: make "
-            "parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size equal num_processes"
-        )
+        problem = mesh_size_problem(replicate, shard, replicate * shard, f"--num_processes is {world}")
+        raise PlanError(f"--config_file {config_file}: {problem}")
     return replicate

@@ -175,17 +175,24 @@ def _cpu_fsdp2_accelerator(train, log_with, timeout_s) -> Accelerator:
         if hybrid:  # what Accelerator() does with it on GPUs: the mesh fully_shard then shards over
             parallelism = ParallelismConfig()  # its sizes from the launch config's PARALLELISM_CONFIG_*
             if parallelism.total_size != accelerator.num_processes:  # torch would fail building the mesh
-                raise LaunchError(
-                    f"the launch config's parallelism_config asks for {parallelism.dp_replicate_size} replica "
-                    f"groups x {parallelism.dp_shard_size} shards = {parallelism.total_size} processes, but "
-                    f"{accelerator.num_processes} {'was' if accelerator.num_processes == 1 else 'were'} launched: "
-                    "make parallelism_config_dp_replicate_size x "
-                    "parallelism_config_dp_shard_size equal num_processes"
-                )
+                n = accelerator.num_processes
+                mesh = parallelism.dp_replicate_size, parallelism.dp_shard_size, parallelism.total_size
+                given = f"{n} {'was' if n == 1 else 'were'} launched"
+                raise LaunchError(f"the launch config's {mesh_size_problem(*mesh, given)}")
             accelerator.state.parallelism_config = parallelism
             accelerator.state.device_mesh = parallelism.get_device_mesh("cpu")
             parallelism._validate_accelerator(accelerator)
     return accelerator
+
+
+def mesh_size_problem(replicate: int, shard: int, total: int, given: str) -> str:
+    """The one line for a parallelism_config whose mesh is not the processes there are (`given`: how many
+    there are), as the recipe and the planner say it."""
+    return (
+        f"parallelism_config asks for {replicate} replica groups x {shard} shards = {total} processes, but "
+        f"{given}: make parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size equal "
+        "num_processes"
+    )
 
 
 def _leave_deepspeed_unimported() -> None:

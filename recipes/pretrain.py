@@ -185,9 +185,12 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         say(ema.describe())
     say(*precision.check_prepared(model, optimizer, cfg.train, info.sharding))  # FSDP2's, DeepSpeed's
     say(checkpointer.describe())
-    evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator, tokenizer)
+    evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator, tokenizer, out)
     made_by = provenance(recipe, cfg)  # which recipe and fork files, commit and packages trained this run
-    meter = MFUMeter.for_run(model_config, cfg.data.seq_len, accelerator.device, precision.compute_dtype)
+    meter = MFUMeter.for_run(  # a fork's auxiliary modules count in the FLOPs too
+        model_config, cfg.data.seq_len, accelerator.device, precision.compute_dtype,
+        objective.extra_matmul_params(accelerator.unwrap_model(model)),
+    )  # fmt: skip
     say(meter.describe())
 
     # ---- Resume: weights, moments, and every state below (per rank: RNG, data position) ----------

@@ -97,6 +97,8 @@ def test_an_extra_term_equals_its_hand_computation_on_2_ranks_with_accumulation(
     assert logged["train/mtp"] == pytest.approx(by_hand["mtp"], rel=1e-10)
     assert logged["train/loss"] == pytest.approx(by_hand["loss"], rel=1e-10)
     assert "| mtp " in mtp_run.output  # the console line shows the term
+    extra = 64 * 64 + 8192 * 64  # mtp_proj, and the tied output embedding's second pass
+    assert f"+ 6 x {extra:,} weights of the objective's auxiliary modules)" in mtp_run.output  # FLOPs, MFU
     assert yaml.safe_load((out / "config.yaml").read_text())["mtp"] == {"weight": 0.3}
 
 

@@ -23,7 +23,8 @@ def auxiliary(module):
     return module
 
 
-def _auxiliary_prefixes(model) -> tuple[str, ...]:
+def auxiliary_prefixes(model) -> tuple[str, ...]:
+    """The parameter-name prefixes of the modules marked `auxiliary` in `model`."""
     return tuple(f"{name}." for name, module in model.named_modules() if getattr(module, AUXILIARY, False))
 
 
@@ -41,7 +42,7 @@ def export_pretrained(model, tokenizer, path, accelerator) -> Path:
     (sharded weights are gathered to the main process, which writes)."""
     path = Path(path)
     inner = accelerator.unwrap_model(model)
-    left_out = _auxiliary_prefixes(inner)
+    left_out = auxiliary_prefixes(inner)
     if type(model).__name__ == "DeepSpeedEngine":
         # ZeRO-1/2 ranks hold whole weights; the module saves its own (keeping tied embeddings tied).
         weights = None

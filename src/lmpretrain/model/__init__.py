@@ -2,14 +2,17 @@
 mixed precision."""
 
 from lmpretrain.model.build import build_model, build_model_config, import_model_modules, parameter_counts
-from lmpretrain.model.loss import count_targets, make_labels
-from lmpretrain.model.objective import LMObjective, Term, weighted_sum
+from lmpretrain.model.loss import IGNORE_INDEX, LossSums, count_targets, logits_loss_sums, make_labels
+from lmpretrain.model.objective import Forward, LMObjective, Term, weighted_sum
 from lmpretrain.model.precision import MixedPrecision
 from lmpretrain.model.sharded_precision import check_sharded_precision
 from lmpretrain.model.speed import compile_seconds, prepare_model
 
 __all__ = [
+    "IGNORE_INDEX",
+    "Forward",
     "LMObjective",
+    "LossSums",
     "MixedPrecision",
     "Term",
     "build_model",
@@ -18,6 +21,7 @@ __all__ = [
     "compile_seconds",
     "count_targets",
     "import_model_modules",
+    "logits_loss_sums",
     "make_labels",
     "parameter_counts",
     "prepare_model",

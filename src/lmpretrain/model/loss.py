@@ -18,19 +18,22 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+"""A label or target with this value is not scored (a document's first token, padding)."""
 
 
 class LossSums(NamedTuple):
     """Token sums over a micro-batch's targets (a NamedTuple so DDP/FSDP walk it like a tuple).
 
     `objective` (= ce + z_loss * z + the weighted logit terms) is what backward runs on; `ce`, `z` and
-    `extra` (the sums of the logit terms, in their order) are detached, for logging.
+    `extra` (the sums of the logit terms, in their order) are detached, for logging. `tokens`: each
+    target's cross-entropy (detached, shaped like the targets, 0 where ignored) when asked for, else None.
     """
 
     objective: torch.Tensor
     ce: torch.Tensor
     z: torch.Tensor
     extra: tuple = ()
+    tokens: torch.Tensor | None = None
 
 
 def _logit_term_sums(logits, targets, keep, logit_terms) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -82,25 +85,35 @@ def logits_loss_sums(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     logit_terms=(),
+    per_token: bool = False,
 ) -> LossSums:
     """`full`: sums from logits (..., V) aligned with `targets` (...), in fp32 (or wider); `logit_terms`:
-    [(weight, fn)] of LMObjective.logit_terms, computed on the same fp32 logits."""
+    [(weight, fn)] of LMObjective.logit_terms, computed on the same fp32 logits; `per_token`: also each
+    target's cross-entropy (`LossSums.tokens`)."""
+    shape = targets.shape
     logits = logits.reshape(-1, logits.size(-1))
     logits = logits.to(_accumulation_dtype(logits.dtype))
     targets = targets.reshape(-1)
-    ce = F.cross_entropy(
-        logits, targets, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing
-    )
+    tokens = None
+    if per_token:
+        rows = F.cross_entropy(
+            logits, targets, ignore_index=IGNORE_INDEX, reduction="none", label_smoothing=label_smoothing
+        )
+        ce, tokens = rows.sum(), rows.detach().reshape(shape)
+    else:
+        ce = F.cross_entropy(
+            logits, targets, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing
+        )
     z = logits.new_zeros(())
     if z_loss:  # masked, not selected: boolean indexing would make the host wait for the GPU
         z = (torch.logsumexp(logits, dim=-1).square() * (targets != IGNORE_INDEX)).sum()
     objective = ce + z_loss * z if z_loss else ce
     if not logit_terms:
-        return LossSums(objective, ce.detach(), z.detach())
+        return LossSums(objective, ce.detach(), z.detach(), (), tokens)
     keep = targets != IGNORE_INDEX
     weighted, sums = _logit_term_sums(logits, torch.where(keep, targets, 0), keep, logit_terms)
     objective = objective if weighted is None else objective + weighted
-    return LossSums(objective, ce.detach(), z.detach(), tuple(sums))
+    return LossSums(objective, ce.detach(), z.detach(), tuple(sums), tokens)
 
 
 def causal_lm_loss_sum(
@@ -156,6 +169,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         z = torch.zeros((), dtype=acc, device=hidden.device)
         extra = torch.zeros(len(logit_terms), dtype=acc, device=hidden.device)  # the logit terms' sums
         extra_objective = torch.zeros((), dtype=acc, device=hidden.device)  # their weighted sum
+        tokens = torch.zeros(hidden.size(0), dtype=acc, device=hidden.device)  # each row's cross-entropy
         grad_hidden = None
         if want_grad:
             grad_hidden = torch.empty(
@@ -190,9 +204,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     rows = (1 - label_smoothing) * rows - label_smoothing * logits.mean(dim=-1)
                 total = logits.exp_().sum(dim=-1)
                 shifted_lse = total.log()
-                ce += (
-                    (rows + shifted_lse) * keep
-                ).sum()  # logsumexp - target logit (smoothed), the max cancels
+                row_ce = (rows + shifted_lse) * keep  # logsumexp - target logit (smoothed), the max cancels
+                tokens[start : start + chunk] = row_ce
+                ce += row_ce.sum()
                 lse = shifted_lse + row_max
                 z += (lse.square() * keep).sum()
                 if not want_grad:
@@ -216,11 +230,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         objective = ce + z_loss * z if z_loss else ce.clone()
         objective += extra_objective
         z = z if z_loss else torch.zeros_like(z)  # as `full` reports: no z term, no z sum
-        ctx.mark_non_differentiable(ce, z, extra)
-        return objective, ce, z, extra
+        ctx.mark_non_differentiable(ce, z, extra, tokens)
+        return objective, ce, z, extra, tokens
 
     @staticmethod
-    def backward(ctx, grad_objective, _grad_ce, _grad_z, _grad_extra):
+    def backward(ctx, grad_objective, _grad_ce, _grad_z, _grad_extra, _grad_tokens):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
         scale = grad_objective.to(grad_weight.dtype)
@@ -244,10 +258,11 @@ def chunked_loss_sums(
     logit_terms=(),
 ) -> LossSums:
     """`chunked`: the sums of `logits_loss_sums(hidden @ weight.T + bias, targets)`, with at most
-    `chunk_tokens` rows of logits alive at once. Rows without a target are projected too and masked:
-    selecting the others (`hidden[targets != -100]`) would make the host wait for the GPU (a nonzero)
-    in every micro-batch, for a saving of about one row per sequence."""
-    objective, ce, z, extra = _ChunkedLinearCrossEntropy.apply(
+    `chunk_tokens` rows of logits alive at once (`tokens`: each target's cross-entropy, always given: the
+    chunks compute it anyway). Rows without a target are projected too and masked: selecting the others
+    (`hidden[targets != -100]`) would make the host wait for the GPU (a nonzero) in every micro-batch, for
+    a saving of about one row per sequence."""
+    objective, ce, z, extra, tokens = _ChunkedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.size(-1)),
         weight,
         bias,
@@ -258,7 +273,8 @@ def chunked_loss_sums(
         torch.is_grad_enabled(),
         tuple(logit_terms),
     )
-    return LossSums(objective, ce, z, tuple(extra.unbind()) if logit_terms else ())
+    extra = tuple(extra.unbind()) if logit_terms else ()
+    return LossSums(objective, ce, z, extra, tokens.reshape(targets.shape))
 
 
 def liger_loss_sums(

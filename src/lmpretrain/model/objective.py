@@ -4,9 +4,14 @@ The recipe's micro-batch loop and the `Evaluator` both call `objective(model, in
 returns named terms, name -> `Term(sum, count, weight)`: `loss` (cross-entropy) and, with train.z_loss,
 `z_loss`. The loop reduces each term over micro-batches and ranks, adds weight * sum / (the global
 batch's target count) to what it differentiates, and logs sum / count as `train/<name>` (and
-`eval/<name>` at evaluation). A fork adds a term from the logits the loss already computes by overriding
-`logit_terms()` (with every loss_impl but liger: per chunk with the chunked loss), or any term by
-overriding `terms()` (docs/forking.md); nothing else changes.
+`eval/<name>` at evaluation).
+
+One place runs the model: `run_model` calls it once per micro-batch and returns a `Forward` (the final
+hidden states, the logits when the loss needs them, the base model's own output object); `terms(model,
+out, targets)` computes every term from it. A fork adds a term from the logits the loss already computes
+by overriding `logit_terms()`, or any term by overriding `terms()` and reading `out` (an auxiliary head on
+`out.hidden`, scored by `token_loss` with this run's loss_impl, label smoothing and z-loss): the model never
+runs twice (docs/forking.md).
 
 The loss runs inside the model's own forward (`install`, called by the recipe): under FSDP2 the output
 embedding is gathered only during the root module's forward, and DDP/DeepSpeed see an ordinary call.
@@ -23,7 +28,7 @@ from __future__ import annotations
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,12 +57,29 @@ class Term(NamedTuple):
 
     `sum` over `count` units (the targets it scores); the loop differentiates weight * sum divided by
     the global batch's target count, so weights are per target token, and logs sum / count. A term
-    with weight 0 is logged only.
+    with weight 0 is logged only. `per_token`: its value at each target position (detached, shaped like
+    the targets, 0 where there is none), when the objective was asked for it (`per_token=True`).
     """
 
     sum: torch.Tensor
     count: torch.Tensor
     weight: float
+    per_token: torch.Tensor | None = None
+
+
+class Forward(NamedTuple):
+    """What the model computed for a micro-batch, once (`LMObjective.run_model`); every term reads it.
+
+    `hidden`: the final hidden states [batch, seq, hidden_size] (after the final norm: the output
+    embedding's input). `logits`: the model's own logits with loss_impl=full, None otherwise (the chunked
+    and Liger losses never form them). `output`: the base model's output object (`model.base_model(...)`),
+    e.g. a mixture of experts' `router_logits` when the model is asked for them (`model_inputs`).
+    `hidden` and `output` are None for a model without a separate base model (loss_impl=full only).
+    """
+
+    hidden: torch.Tensor | None
+    logits: torch.Tensor | None
+    output: Any
 
 
 def weighted_sum(terms: dict[str, Term]) -> torch.Tensor:
@@ -77,6 +99,9 @@ class LMObjective:
     eos_token_id: int | None = None
     single_row: bool = False
     """flash-attention: pack the micro-batch into one row, where its varlen kernel sees the documents."""
+    per_token: bool = False
+    """Also return `loss`'s value at each target position (`Term.per_token`): the evaluator's per-block
+    losses. Liger's fused kernel gives no per-token values."""
 
     @classmethod
     def from_config(cls, cfg, eos_token_id: int) -> LMObjective:
@@ -98,9 +123,11 @@ class LMObjective:
         return {}
 
     def held_out(self) -> LMObjective:
-        """The same forward for evaluation, scoring plain cross-entropy (no smoothing, no z-loss); the
-        logit terms are computed too, for eval/<name>."""
-        return replace(self, label_smoothing=0.0, z_loss=0.0)
+        """The same forward for evaluation, scoring plain cross-entropy (no smoothing, no z-loss) per token
+        (the per-block losses of eval/loss_se); the logit terms are computed too, for eval/<name>. Liger's
+        loss gives no per-token values: the held-out set is scored with the chunked loss (the same sums)."""
+        loss_impl = "chunked" if self.loss_impl == "liger" else self.loss_impl
+        return replace(self, label_smoothing=0.0, z_loss=0.0, per_token=True, loss_impl=loss_impl)
 
     def describe(self) -> str:
         loss = {
@@ -150,31 +177,57 @@ class LMObjective:
         )
         return [self.describe(), *terms, *check_objective(model, self)]
 
-    def terms(self, model, forward, targets: torch.Tensor, **inputs) -> dict[str, Term]:
-        """Inside the model's forward: the named terms. Override to add terms (keep `loss`)."""
+    def run_model(self, model, forward, **inputs) -> Forward:
+        """The one call of the model for a micro-batch (inside its forward): the base model for the chunked
+        and Liger losses; with loss_impl=full the model's own forward (its logits keep any post-processing,
+        e.g. soft-capping), the base model's output taken on the way. `forward` is the class's forward."""
+        base = model.base_model
+        if self.loss_impl != "full":
+            output = base(**inputs)
+            return Forward(output.last_hidden_state, None, output)
+        seen = []
+        hook = base.register_forward_hook(lambda module, args, output: seen.append(output))
+        try:
+            logits = forward(model, **inputs).logits
+        finally:
+            hook.remove()
+        output = seen[-1] if seen and base is not model else None  # no separate base: nothing to take
+        return Forward(getattr(output, "last_hidden_state", None), logits, output)
+
+    def terms(self, model, out: Forward, targets: torch.Tensor) -> dict[str, Term]:
+        """Inside the model's forward, after `run_model`: the named terms of `targets` from `out`. Override
+        to add terms (keep `loss`): call this one and add to its dict."""
         extra = self.logit_terms()
-        sums = self.loss_sums(model, forward, targets, **inputs)
+        sums = self._loss_sums(model, out.hidden, targets, out.logits, list(extra.values()))
         count = (targets != IGNORE_INDEX).sum()
+        per_token = sums.tokens if self.per_token else None
         if not self.z_loss and not extra:
-            return {"loss": Term(sums.objective, count, 1.0)}
+            return {"loss": Term(sums.objective, count, 1.0, per_token)}
         # The loss implementations differentiate ce + z_loss * z + the weighted logit terms as one sum (the
         # chunked loss computes its gradient in the forward); `loss` carries that gradient with the value
         # ce, the other terms their values only.
         carry = sums.objective - sums.objective.detach()
-        terms = {"loss": Term(sums.ce + carry, count, 1.0)}
+        terms = {"loss": Term(sums.ce + carry, count, 1.0, per_token)}
         if self.z_loss:
             terms["z_loss"] = Term(sums.z, count, self.z_loss)
         for (name, (weight, _)), value in zip(extra.items(), sums.extra, strict=True):
             terms[name] = Term(value, count, weight)
         return terms
 
-    def loss_sums(self, model, forward, targets: torch.Tensor, **inputs) -> LossSums:
-        """Cross-entropy (and z) sums with this objective's loss implementation."""
-        extra = list(self.logit_terms().values())
+    def token_loss(self, model, hidden: torch.Tensor, targets: torch.Tensor) -> LossSums:
+        """The loss of `targets` ([batch, seq], IGNORE_INDEX where none) predicted from `hidden` through the
+        model's output embedding, as this run computes its own: train.loss_impl, label smoothing, z-loss
+        (not the logit terms, which belong to the next-token loss). For a fork's auxiliary head; sums over
+        the targets: `.objective` is what to differentiate."""
+        return self._loss_sums(model, hidden, targets, None, [])
+
+    def _loss_sums(self, model, hidden, targets, logits, extra) -> LossSums:
         if self.loss_impl == "full":
-            logits = forward(model, **inputs).logits
-            return logits_loss_sums(logits, targets, self.label_smoothing, self.z_loss, extra)
-        hidden = model.base_model(**inputs).last_hidden_state
+            if logits is None:
+                logits = model.get_output_embeddings()(hidden)
+            return logits_loss_sums(
+                logits, targets, self.label_smoothing, self.z_loss, extra, per_token=self.per_token
+            )
         head = model.get_output_embeddings()
         if self.loss_impl == "chunked":
             return chunked_loss_sums(
@@ -191,6 +244,16 @@ class LMObjective:
             hidden, head.weight, head.bias, targets, label_smoothing=self.label_smoothing, z_loss=self.z_loss
         )
 
+    def extra_matmul_params(self, model) -> int:
+        """Weights this objective uses as matmuls per token beyond the model's own forward, for FLOPs and
+        MFU (6 FLOPs per weight per token): every auxiliary module's (checkpoint.auxiliary) 2-D and larger
+        weights. A fork that runs a weight of the model once more per token (a second pass through the
+        output embedding) adds it in an override."""
+        from lmpretrain.checkpoint.export import auxiliary_prefixes
+
+        prefixes = auxiliary_prefixes(model)
+        return sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and n.startswith(prefixes))
+
 
 def _forward_with_loss(self, *args, lm_targets=None, lm_objective=None, **kwargs):
     """The model's forward; with `lm_targets` it returns `lm_objective`'s loss sums instead of logits."""
@@ -200,7 +263,7 @@ def _forward_with_loss(self, *args, lm_targets=None, lm_objective=None, **kwargs
         # the training and eval shapes, and a growing KV cache would recompile them at every length.
         with torch.compiler.set_stance("force_eager"):
             return forward(self, *args, **kwargs)
-    return lm_objective.terms(self, forward, lm_targets, **kwargs)
+    return lm_objective.terms(self, lm_objective.run_model(self, forward, **kwargs), lm_targets)
 
 
 def install_loss_forward(model) -> None:

@@ -6,18 +6,28 @@ those of `tokenizer.decode(targets, skip_special_tokens=True)`, so BOS/EOS/pad c
 loss of predicting them still counts (a document's end is information a compressor must store too). A
 character split across two blocks decodes as U+FFFD at the cut: a few bytes per block, none for ASCII.
 Unlike the loss per token, bpb does not depend on the tokenizer, so runs with different tokenizers compare.
+
+Noise: the held-out set is a sample, so each score has a standard error, `eval/loss_se` and `eval/bpb_se`,
+from the blocks' own losses (a ratio estimator over blocks: sum of losses / sum of targets, or bytes); with
+`eval/tokens`, the targets scored. Adjacent blocks of one document are not independent, so the error is
+a lower bound of the sampling noise; it says nothing of seed-to-seed variation. Each evaluation's
+per-block losses also go to `<output_dir>/eval_blocks.jsonl` (main process), from which
+scripts/compare_runs.py gives the standard error of a difference between runs scored on the same blocks.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmpretrain.model.loss import IGNORE_INDEX, count_targets
 from lmpretrain.model.objective import LMObjective
+from lmpretrain.observe.tracking import EVAL_BLOCKS
 
 
 def rank_share(blocks: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,18 +55,24 @@ class Evaluator:
     accelerator: Any
     tokenizer: Any = None
     """For eval/bpb; without it only loss and perplexity are reported."""
+    output_dir: Path | None = None
+    """`record(step)` appends each evaluation's per-block losses to its EVAL_BLOCKS file (None: nowhere)."""
 
     def __post_init__(self):
-        self.target_bytes = target_bytes(self.blocks, self.tokenizer) if self.tokenizer is not None else None
+        self.block_bytes = block_bytes(self.blocks, self.tokenizer) if self.tokenizer is not None else None
+        self.target_bytes = sum(self.block_bytes) if self.block_bytes is not None else None
+        self.last_blocks: dict | None = None  # the last evaluation's per-block losses, targets and bytes
 
     @torch.no_grad()
     def __call__(self, model) -> dict:
-        """Mean next-token loss over all ranks' blocks (sum of losses / sum of targets), perplexity, bpb."""
+        """Mean next-token loss over all ranks' blocks (sum of losses / sum of targets), perplexity, bpb, the
+        standard errors of loss and bpb and the targets scored."""
         acc, objective = self.accelerator, self.objective.held_out()
         model.eval()
         inputs, labels = rank_share(self.blocks, acc.process_index, acc.num_processes)
         total = torch.zeros(2, dtype=torch.float64, device=acc.device)
         others: dict[str, torch.Tensor] = {}  # the objective's other terms: name -> (sum, count)
+        rows: list[torch.Tensor] | None = []  # this rank's blocks' (loss sum, targets), padding included
         for start in range(0, len(inputs), self.batch_size):
             x = inputs[start : start + self.batch_size].to(acc.device)
             y = labels[start : start + self.batch_size].to(acc.device)
@@ -64,18 +80,63 @@ class Evaluator:
                 terms = objective(model, x, y)
             total[0] += terms["loss"].sum.double()
             total[1] += count_targets(y)
+            per_token = terms["loss"].per_token
+            if per_token is None:  # a fork's objective that gives no per-token values: no standard errors
+                rows = None
+            elif rows is not None:
+                block_loss = per_token.reshape(len(x), -1).sum(dim=1).double()
+                rows.append(torch.stack([block_loss, (y[:, 1:] != IGNORE_INDEX).sum(dim=1).double()], dim=1))
             for name, term in terms.items():
                 if name != "loss":
                     others[name] = others.get(name, 0) + torch.stack([term.sum, term.count]).double()
         total = acc.reduce(total, reduction="sum")
         others = {name: acc.reduce(others[name], reduction="sum") for name in sorted(others)}
+        blocks = self._in_block_order(acc.gather(torch.cat(rows))) if rows is not None else None
         model.train()
         loss = (total[0] / total[1]).item()
-        metrics = {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
+        metrics = {
+            "eval/loss": loss,
+            "eval/ppl": math.exp(min(loss, 50.0)),
+            "eval/tokens": int(total[1].item()),
+        }
         metrics.update({f"eval/{name}": (s[0] / s[1].clamp_min(1)).item() for name, s in others.items()})
         if self.target_bytes:
             metrics["eval/bpb"] = total[0].item() / math.log(2) / self.target_bytes
+        self.last_blocks = None
+        if blocks is not None:
+            block_losses, block_targets = blocks[:, 0].tolist(), [int(n) for n in blocks[:, 1].tolist()]
+            self.last_blocks = {"loss": block_losses, "targets": block_targets, "bytes": self.block_bytes}
+            metrics["eval/loss_se"] = ratio_and_se(block_losses, block_targets)[1]
+            if self.block_bytes:
+                metrics["eval/bpb_se"] = ratio_and_se(block_losses, self.block_bytes)[1] / math.log(2)
         return metrics
+
+    def _in_block_order(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The ranks' rows (rank r's share is blocks r, r + W, ..., then padding) back in block order."""
+        world = self.accelerator.num_processes
+        per_rank = len(gathered) // world
+        order = [(b % world) * per_rank + b // world for b in range(len(self.blocks))]
+        return gathered[order].cpu()
+
+    def record(self, step: int) -> None:
+        """Append the last evaluation's per-block losses, targets and bytes to `<output_dir>/EVAL_BLOCKS`
+        (main process; the Tracker keeps its rows up to a resumed step, like metrics.jsonl's)."""
+        if self.output_dir is None or self.last_blocks is None or not self.accelerator.is_main_process:
+            return
+        with open(Path(self.output_dir) / EVAL_BLOCKS, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **self.last_blocks}) + "\n")
+
+
+def ratio_and_se(numerators, denominators) -> tuple[float, float]:
+    """sum(numerators) / sum(denominators) over k blocks and its standard error (the ratio estimator's
+    linearisation: sqrt(k / (k - 1) * sum (x_i - r n_i)^2) / sum n_i); the error is nan for one block."""
+    x, n = torch.tensor(numerators, dtype=torch.float64), torch.tensor(denominators, dtype=torch.float64)
+    k, total = len(x), n.sum()
+    ratio = (x.sum() / total).item()
+    if k < 2:
+        return ratio, math.nan
+    residual = x - ratio * n
+    return ratio, (residual.square().sum() * k / (k - 1)).sqrt().item() / total.item()
 
 
 def evaluate_all(model, step: int, evaluator: Evaluator, tasks, ema=None) -> dict:
@@ -83,19 +144,20 @@ def evaluate_all(model, step: int, evaluator: Evaluator, tasks, ema=None) -> dic
     lm-evaluation-harness on the live model, every rank); with an EMA the same scores of the average,
     swapped into the model and back (eval/ema/*)."""
     metrics = evaluator(model)
+    evaluator.record(step)  # before the EMA's evaluation replaces the per-block losses
     metrics.update(tasks.run_if_due(model, step))
     if ema:
         metrics.update(ema.evaluate(model, lambda: {**evaluator(model), **tasks.run_if_due(model, step)}))
     return metrics
 
 
-def target_bytes(blocks: torch.Tensor, tokenizer) -> int:
-    """UTF-8 bytes of the text encoded by the targets of `blocks` (each block's tokens after its first),
-    special tokens excluded; the denominator of eval/bpb."""
-    return sum(
+def block_bytes(blocks: torch.Tensor, tokenizer) -> list[int]:
+    """UTF-8 bytes of the text encoded by each block's targets (its tokens after its first), special tokens
+    excluded; their sum is the denominator of eval/bpb."""
+    return [
         len(tokenizer.decode(row[1:], skip_special_tokens=True, clean_up_tokenization_spaces=False).encode())
         for row in blocks.tolist()
-    )
+    ]
 
 
 @torch.no_grad()

@@ -380,8 +380,21 @@ class MFUMeter:
     peak_source: str
 
     @classmethod
-    def for_run(cls, model_config: Any, seq_len: int, device: torch.device, dtype: torch.dtype) -> MFUMeter:
-        return cls(*flops_per_token(model_config, seq_len), *peak_flops(device, dtype))
+    def for_run(
+        cls,
+        model_config: Any,
+        seq_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        extra_matmul_params: int = 0,
+    ) -> MFUMeter:
+        """`extra_matmul_params`: weights the objective uses as matmuls per token beyond the model's
+        forward (a fork's auxiliary modules, `LMObjective.extra_matmul_params`), 6 FLOPs each per token."""
+        flops, source = flops_per_token(model_config, seq_len)
+        if flops is not None and extra_matmul_params:
+            flops += 6.0 * extra_matmul_params
+            source += f" + 6 x {extra_matmul_params:,} weights of the objective's auxiliary modules"
+        return cls(flops, source, *peak_flops(device, dtype))
 
     def describe(self) -> str:
         if self.flops_per_token is None:

@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 
 from lmpretrain.observe.console import as_scalar
 
+EVAL_BLOCKS = "eval_blocks.jsonl"  # each evaluation's per-block losses (observe/evaluation.py)
+
 logger = logging.getLogger(__name__)
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -279,6 +281,7 @@ class Tracker:
             if run_id is not None:  # continuing a W&B run that already holds steps <= old_max_step
                 self._wandb_sent_upto = old_max_step
             self._prepare_file(self.samples_path, resume_step)
+            self._prepare_file(self.output_dir / EVAL_BLOCKS, resume_step)  # the Evaluator appends to it
             self._open_metrics()
             self.mode = resolve_wandb_mode(mode)
             if self.mode != "disabled":

@@ -3,10 +3,13 @@
 
     python scripts/compare_runs.py runs/a runs/b [--keys train/mtp ...] [--plot loss.png] [--assert-close 1e-4] [--wandb]
 
-Prints a table (steps, final train loss, final/best eval loss, final eval bits per byte, the EMA's
-final/best eval loss for runs with train.ema_decay, median tokens/s, wall time from the first step to the
-last, stops and resumes included, and the last value of each metric named by --keys; numbers with the
-digits that tell the runs apart, long values wrapped) and the config keys that differ (what trained each
+Prints a table (steps, final train loss, final/best eval loss, final eval bits per byte, their standard
+errors and the held-out set's size in tokens, the EMA's final/best eval loss for runs with train.ema_decay,
+median tokens/s, wall time from the first step to the last, stops and resumes included, and the last value
+of each metric named by --keys; numbers with the digits that tell the runs apart, long values wrapped),
+each run's final eval/loss and eval/bpb minus the first run's with a standard error (paired over the
+held-out blocks when both runs scored the same ones) and whether the difference is within noise (under 2
+standard errors), and the config keys that differ (what trained each
 run included: recipe and fork files and their hashes, commit, package versions), writes a PNG of train and
 eval loss vs tokens seen and one panel per --keys metric (default ``compare_runs.png``), and with
 ``--assert-close TOL`` exits 1 when two runs' train-loss curves differ by more than TOL at a common
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lmpretrain.analysis.noise import noise_lines
 from lmpretrain.analysis.runs import (
     check_close,
     config_diff,
@@ -55,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     keys = tuple(args.keys)
     print(format_table([summarize(r, keys) for r in runs], keys))
     print()
+    noise = noise_lines(runs)
+    if noise:
+        print("\n".join(noise))
+        print()
     print(format_config_diff(runs, config_diff(runs)))
     print()
     print(f"plot: {plot_runs(runs, args.plot, keys)}")

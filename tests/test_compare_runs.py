@@ -240,3 +240,95 @@ def test_keys_get_panels_and_the_digits_that_tell_runs_apart_wall_time_spans_res
     png = plot_runs(runs, tmp_path / "p.png", keys)
     width, height = (int.from_bytes(png.read_bytes()[i : i + 4], "big") for i in (16, 20))
     assert (width, height) == (1800, 900)  # train loss, eval loss and the 3 keys: 2 rows of 3 panels
+
+
+def with_blocks(
+    path: Path, losses: list[float], targets: list[int], bytes_: list[int], step: int = 20
+) -> Path:
+    """Give a run dir's final evaluation (step 20) these per-block losses, as the evaluator records them:
+    eval/loss, eval/bpb and their standard errors in metrics.jsonl, the blocks in eval_blocks.jsonl."""
+    from lmpretrain.observe.evaluation import ratio_and_se
+
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    loss, loss_se = ratio_and_se(losses, targets)
+    bits, bits_se = ratio_and_se(losses, bytes_)
+    rows[step - 1].update(
+        {
+            "eval/loss": loss,
+            "eval/loss_se": loss_se,
+            "eval/bpb": bits / math.log(2),
+            "eval/bpb_se": bits_se / math.log(2),
+            "eval/tokens": sum(targets),
+        }
+    )
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    blocks = {"step": step, "loss": losses, "targets": targets, "bytes": bytes_}
+    (path / "eval_blocks.jsonl").write_text(
+        json.dumps({**blocks, "step": 5}) + "\n" + json.dumps(blocks) + "\n"
+    )
+    return path
+
+
+def test_the_standard_error_of_a_held_out_mean_is_the_ratio_estimators():
+    from lmpretrain.observe.evaluation import ratio_and_se
+
+    # 4 blocks of 10 targets: mean 2.5; residuals -15, -5, 5, 15; sqrt(500 * 4/3) / 40
+    loss, se = ratio_and_se([10.0, 20.0, 30.0, 40.0], [10, 10, 10, 10])
+    assert loss == 2.5 and se == pytest.approx(math.sqrt(500 * 4 / 3) / 40) == pytest.approx(
+        0.64550, abs=1e-5
+    )
+    # equal block losses: no spread, no error; one block: unknown
+    assert ratio_and_se([3.0, 3.0, 3.0], [2, 2, 2]) == (1.5, 0.0)
+    assert math.isnan(ratio_and_se([3.0], [2])[1])
+
+
+def test_compare_states_the_held_out_size_and_marks_differences_within_noise(tmp_path):
+    """b's blocks are a's plus 1, 3, 1, 3: +0.2 nats, paired se sqrt(4 * 4/3) / 40 = 0.0577, 3.5 se: beyond
+    noise, though each run's own se is about 0.65 (unpaired, the same +0.2 would be within noise). c scored
+    other blocks: unpaired. e is a's plus 1, -1, 1, -1: +0 +- 0.0577, within noise."""
+    a_losses = [10.0, 20.0, 30.0, 40.0]
+    targets, bytes_ = [10, 10, 10, 10], [35, 35, 35, 35]
+    runs = {}
+    for name, losses, tgt in (
+        ("a", a_losses, targets),
+        ("b", [x + d for x, d in zip(a_losses, [1, 3, 1, 3], strict=True)], targets),
+        ("c", [x + d for x, d in zip(a_losses, [1, 3, 1, 3], strict=True)], [10, 10, 10, 11]),
+        ("e", [x + d for x, d in zip(a_losses, [1, -1, 1, -1], strict=True)], targets),
+    ):
+        runs[name] = with_blocks(make_run_dir(tmp_path / name, lr=1e-3), losses, tgt, bytes_)
+    result = compare(*runs.values(), "--plot", tmp_path / "p.png")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = lines[0]
+    assert "eval loss se" in header and "eval bpb se" in header and "held-out tokens" in header
+    assert lines[2].split()[:1] == ["a"] and "0.6455" in lines[2] and " 40" in lines[2]
+    noise = {tuple(line.split()[:4]): line for line in lines if line.startswith("  ")}
+    paired_se = math.sqrt(4 * 4 / 3) / 40
+    b_loss = noise[("b", "-", "a", "eval/loss")]
+    assert (
+        f"+0.2000 ± {paired_se:.4f} (paired over the same 4 blocks, 40 tokens): beyond noise, 3.5 standard"
+        in b_loss
+    )
+    b_bpb = noise[("b", "-", "a", "eval/bpb")]
+    assert f"+{8 / 140 / math.log(2):.4f} ± {math.sqrt(4 * 4 / 3) / 140 / math.log(2):.4f} (paired" in b_bpb
+    c_loss = noise[("c", "-", "a", "eval/loss")]
+    se_c = math.hypot(0.6455, ratio_and_se_of([11.0, 23.0, 31.0, 43.0], [10, 10, 10, 11]))
+    assert "(unpaired: not the same held-out blocks): within noise" in c_loss and f"± {se_c:.3f}" in c_loss
+    e_loss = noise[("e", "-", "a", "eval/loss")]
+    assert (
+        f"+0.0000 ± {paired_se:.4f} (paired over the same 4 blocks, 40 tokens): within noise, 0.0" in e_loss
+    )
+    assert "not seed-to-seed variation" in result.stdout
+
+
+def ratio_and_se_of(losses, targets) -> float:
+    from lmpretrain.observe.evaluation import ratio_and_se
+
+    return ratio_and_se(losses, targets)[1]
+
+
+def test_runs_without_standard_errors_say_so(tmp_path):
+    a = make_run_dir(tmp_path / "a", lr=1e-3)  # a run from before eval/loss_se
+    b = with_blocks(make_run_dir(tmp_path / "b", lr=1e-3), [1.0, 2.0], [4, 4], [9, 9])
+    result = compare(a, b, "--plot", tmp_path / "p.png")
+    assert "no standard error: a logged no eval/loss_se" in result.stdout

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 import recipe_runner as rr
+from lmpretrain.observe.tracking import read_jsonl
 
 pytestmark = pytest.mark.slow  # end-to-end: launches the recipe in subprocesses
 
@@ -20,8 +21,21 @@ EXACT = rr.EXACT
 def assert_equivalent(a: rr.Run, b: rr.Run):
     for x, y in zip(a.metrics(), b.metrics(), strict=True):
         assert x.keys() == y.keys(), x["step"]
-        for key in ("train/loss", "train/grad_norm", "eval/loss"):
+        for key in (
+            "train/loss",
+            "train/grad_norm",
+            "eval/loss",
+            "eval/loss_se",
+            "eval/bpb_se",
+            "eval/tokens",
+        ):
             assert x.get(key, 0.0) == pytest.approx(y.get(key, 0.0), rel=1e-6), (key, x["step"])
+    # the per-block losses come back from the ranks in block order
+    blocks_a, blocks_b = (read_jsonl(run.out / "eval_blocks.jsonl") for run in (a, b))
+    assert [r["step"] for r in blocks_a] == [r["step"] for r in blocks_b] == [0, 5, 10]
+    for x, y in zip(blocks_a, blocks_b, strict=True):
+        assert x["targets"] == y["targets"] and x["bytes"] == y["bytes"] and len(x["loss"]) == 24
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
     assert rr.rel_diff(a.weights(), b.weights()) < 1e-6
 
 

@@ -112,8 +112,9 @@ def _numeric_series(run: Run, key: str) -> list[tuple[int, float]]:
 
 
 def summarize(run: Run, keys: tuple[str, ...] = ()) -> dict:
-    """Steps, final train loss, final/best eval loss, final eval bpb, median tokens/s, wall time of a run,
-    and the last logged value of each of `keys` (any metric: a fork's `train/<term>`, `eval/...`)."""
+    """Steps, final train loss, final/best eval loss, final eval bpb (and their standard errors, the held-out
+    set's targets), median tokens/s, wall time of a run, and the last logged value of each of `keys` (any
+    metric: a fork's `train/<term>`, `eval/...`)."""
     train, evals, bpb = _series(run, LOSS_KEY), _series(run, EVAL_KEY), _series(run, BPB_KEY)
     ema = _series(run, "eval/ema/loss")  # train.ema_decay: the average's held-out loss
     tps = [v for _, v in _series(run, "perf/tokens_per_s")]
@@ -124,6 +125,9 @@ def summarize(run: Run, keys: tuple[str, ...] = ()) -> dict:
         "final_eval_loss": evals[-1][1] if evals else None,
         "best_eval_loss": min(v for _, v in evals) if evals else None,
         "final_eval_bpb": bpb[-1][1] if bpb else None,
+        "heldout_tokens": _last(run, "eval/tokens"),
+        "final_eval_loss_se": _last(run, "eval/loss_se"),
+        "final_eval_bpb_se": _last(run, "eval/bpb_se"),
         "final_ema_loss": ema[-1][1] if ema else None,
         "best_ema_loss": min(v for _, v in ema) if ema else None,
         "tokens_per_s_median": statistics.median(tps) if tps else None,
@@ -169,20 +173,31 @@ def format_table(summaries: list[dict], keys: tuple[str, ...] = ()) -> str:
     """A fixed-width text table of :func:`summarize` results (`keys`: the extra metrics asked for). Numbers
     get the digits that tell the runs apart (at least 4 significant); long values wrap onto more lines."""
     fixed = {"tokens_per_s_median": "{:.0f}", "wall_time_s": "{:.1f}", "run": "{}", "steps": "{}"}
+    fixed.update(heldout_tokens="{:,}", final_eval_loss_se="{:.4f}", final_eval_bpb_se="{:.4f}")
     cols = [
         ("run", "run"),
         ("steps", "steps"),
         ("final_train_loss", "final train loss"),
         ("final_eval_loss", "final eval loss"),
         ("best_eval_loss", "best eval loss"),
+        ("final_eval_loss_se", "eval loss se"),
         ("final_eval_bpb", "final eval bpb"),
+        ("final_eval_bpb_se", "eval bpb se"),
+        ("heldout_tokens", "held-out tokens"),
         ("final_ema_loss", "final ema loss"),
         ("best_ema_loss", "best ema loss"),
         ("tokens_per_s_median", "tokens/s (median)"),
         ("wall_time_s", "wall time (s)"),
         *((key, key) for key in keys),
     ]
-    optional = ("final_ema_loss", "best_ema_loss")  # shown when a run has them
+    # shown when a run has them (the standard errors and held-out size: runs from 2026-12-04 on)
+    optional = (
+        "final_ema_loss",
+        "best_ema_loss",
+        "final_eval_loss_se",
+        "final_eval_bpb_se",
+        "heldout_tokens",
+    )
     cols = [c for c in cols if c[0] not in optional or any(s.get(c[0]) is not None for s in summaries)]
     rows = [[[title] for _, title in cols]]
     formats = dict(fixed)

@@ -1,6 +1,8 @@
 """A fork adds files, never edits ours (docs/forking.md): a custom architecture through model.imports,
 an extra loss term with a config section of its own, an auxiliary module left out of the export."""
 
+import json
+import re
 import signal
 import sys
 from pathlib import Path
@@ -189,15 +191,35 @@ def test_a_missing_piece_of_the_model_contract_is_named_before_any_work(tmp_path
 
 # ---- a data fork: a transform named in data.transforms -------------------------------------------------------
 
-LOWERCASE_LONG = "--data.transforms=[examples/data_transforms.py:keep_long_lowercased]"
+LOWERCASE_LONG = "examples/data_transforms.py:keep_long_lowercased"
+DEDUP = "examples/data_transforms.py:ExactDedup"
+
+
+def two_corpora(tmp_path) -> str:
+    """A two-corpus mixture: 300 distinct documents, and 150 others each 5 times in a row (one file each: one
+    piece that the 4 streams share, each keeping every 4th document, so each stream meets copies); 250
+    characters a document, so the streams read several 8-document windows before a checkpoint."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    distinct = [f"Text{i} " + " ".join(words[(i * k) % 8] for k in range(45)) for i in range(300)]
+    copies = [f"Doc{i} " + "word " * 50 for i in range(150) for _ in range(5)]
+    for name, docs in (("distinct", distinct), ("dups", copies)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return (
+        f"--data.train=[{{files: [{tmp_path / 'distinct.jsonl'}]}}, {{files: [{tmp_path / 'dups.jsonl'}]}}]"
+    )
 
 
 @pytest.mark.slow
-def test_a_data_transform_trains_resumes_bit_identically_after_kill_9_and_a_changed_one_is_refused(tmp_path):
-    args = [*rr.QUICK, LOWERCASE_LONG, "--train.max_steps=12", "--checkpoint.every=4", "--eval.every=4"]
-    args.append("--logging.wandb_mode=disabled")
+def test_a_stateful_dedup_transform_resumes_bit_identically_after_kill_9_and_a_changed_one_is_refused(
+    tmp_path,
+):
+    """A filter and a dedup that keeps state (examples/data_transforms.py) on a two-source mixture: a run
+    killed with SIGKILL at step 6 and resumed ends with the straight run's weights and drop counts."""
+    transforms = f"--data.transforms=[{LOWERCASE_LONG}, {DEDUP}]"
+    args = [*rr.QUICK, transforms, two_corpora(tmp_path), "--train.max_steps=12", "--checkpoint.every=4"]
+    args += ["--eval.every=4", "--logging.wandb_mode=disabled"]
     straight = rr.run(tmp_path / "straight", *args)
-    assert "transforms: examples/data_transforms.py:keep_long_lowercased" in straight.output
+    assert f"transforms: {LOWERCASE_LONG} -> {DEDUP} (state kept per stream: {DEDUP})" in straight.output
     out = tmp_path / "killed"
     with open(tmp_path / "killed.log", "w") as log:
         proc = rr.start_forked(out, *args, log=log)
@@ -211,26 +233,86 @@ def test_a_data_transform_trains_resumes_bit_identically_after_kill_9_and_a_chan
         out / "final" / "model.safetensors"
     )
     counted = {r["step"]: r["train/filtered_docs"] for r in straight.metrics() if "train/filtered_docs" in r}
-    assert len(counted) == 12 and counted[12] > 0  # short documents were dropped, and counted
+    assert len(counted) == 12 and counted[4] > 0  # short documents and copies were dropped, and counted
     assert {r["step"]: r["train/filtered_docs"] for r in rr.read_metrics(out) if r["step"] > 8} == {
         s: n for s, n in counted.items() if s > 8
     }
+    # each stream's dedup state is in the checkpoint with its data position: the start of a later document
+    # window, which a resume re-reads from there
+    step_8 = out / "checkpoints" / "step-00000008" / "rank-00000.pt"
+    streams = torch.load(step_8, weights_only=True)["states"]["data"]["streams"].values()
+    assert len(streams) == 4
+    assert all(d["docs"]["window"] > 0 and d["docs"]["start"]["transforms"][DEDUP]["seen"] for d in streams)
     saved = yaml.safe_load((out / "config.yaml").read_text())
-    assert saved["data"]["transforms"] == ["examples/data_transforms.py:keep_long_lowercased"]
+    assert saved["data"]["transforms"] == [LOWERCASE_LONG, DEDUP]
 
     config = out / "config.yaml"
     before = (config.stat().st_mtime_ns, rr.file_sha256(config))
-    other = "--data.transforms=[examples/data_transforms.py:keep_long]"
-    kept = [a for a in args if a != LOWERCASE_LONG]
+    other = f"--data.transforms=[examples/data_transforms.py:keep_long, {DEDUP}]"
+    kept = [a for a in args if a != transforms]
     refused = rr.run(out, *kept, other, "--train.max_steps=16", check=False, launcher=rr.LAUNCHER)
     assert refused.returncode == 2
     assert (
-        "data.transforms: ['examples/data_transforms.py:keep_long_lowercased'] -> "
-        "['examples/data_transforms.py:keep_long']" in refused.output
+        f"data.transforms: ['{LOWERCASE_LONG}', '{DEDUP}'] -> ['examples/data_transforms.py:keep_long', '{DEDUP}']"
+        in (refused.output)
     )
     assert "--run.allow_data_change=true" in refused.output
     assert "parameters; optimizer groups" not in refused.output  # refused before the model was built
     assert (config.stat().st_mtime_ns, rr.file_sha256(config)) == before
+
+
+@pytest.mark.slow
+def test_transforms_for_token_files_prepared_without_them_are_refused_before_the_model_is_built(
+    tmp_path, stdlib_cache
+):
+    from lmpretrain.data.prepare import write_token_files
+
+    text = tmp_path / "docs.jsonl"
+    text.write_text(
+        "".join(json.dumps({"text": f"def f{i}():\n    return {i}\n" * 30}) + "\n" for i in range(40))
+    )
+    write_token_files({"files": [str(text)]}, load_tokenizer("builtin:python-stdlib"), tmp_path / "tok")
+    run = rr.run(
+        tmp_path / "run", f"--data.train=[{{files: [{tmp_path / 'tok'}]}}]", f"--data.transforms=[{LOWERCASE_LONG}]",
+        check=False, launch=None,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert (
+        f"error: source files:{tmp_path / 'tok'} is token files, which data.transforms ({LOWERCASE_LONG})"
+        in (run.output)
+    )
+    assert (
+        f"python scripts/prepare_data.py --files {text} --tokenizer builtin:python-stdlib --transform "
+        f"{LOWERCASE_LONG} --out {tmp_path / 'tok'}-transformed" in run.output
+    )
+    assert (
+        "parameters; optimizer groups" not in run.output and not (tmp_path / "run" / "config.yaml").exists()
+    )
+
+
+@pytest.mark.slow
+def test_a_transform_that_raises_ends_the_run_on_one_message_naming_it_the_source_and_the_document(tmp_path):
+    (tmp_path / "raising.py").write_text(
+        "def boom(text, source):\n"
+        "    if 'import os' in text:\n"
+        "        raise ValueError('no os, please')\n"
+        "    return text\n"
+    )
+    run = rr.run(
+        tmp_path / "run", *rr.QUICK, f"--data.transforms=[{tmp_path / 'raising.py'}:boom]", check=False,
+        launcher=rr.LAUNCHER,
+    )  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.output, run.output[-3000:]
+    last = run.output.rstrip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"error: data\.transforms: {re.escape(str(tmp_path / 'raising.py'))}:boom raised ValueError: no os, please "
+        r"on the document at \S+/python-stdlib-\S+/(train|validation)-\d+-of-\d+\.jsonl line \d+ \(source "
+        r"python-stdlib:(train|validation)\); fix the transform, or have it return None to drop such a document",
+        last,
+    ), last
+    path, line = re.search(r"at (\S+) line (\d+)", last).groups()
+    assert "import os" in json.loads(Path(path).read_text().splitlines()[int(line) - 1])["text"]
+    assert not (tmp_path / "run" / "config.yaml").exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 
 # ---- a fork section's fields are part of the resume fingerprint ---------------------------------------------

@@ -143,10 +143,10 @@ def test_pipelines_are_datatrove_readers_our_writer_and_a_dependent_final_task(t
 
     pq.write_table(pa.table({"text": ["a b", "c d"]}), tmp_path / "p.parquet")
     parquet = plan_prepare(SourceSpec(files=[str(tmp_path / "p.parquet")]), small_tokenizer, tmp_path / "o2")
-    assert type(parquet.reader) is ParquetReader
+    assert type(parquet.stages[0].pipeline[0]) is ParquetReader
     (tmp_path / "t.txt").write_text("some text\n")
     text = plan_prepare(SourceSpec(files=[str(tmp_path / "t.txt")]), small_tokenizer, tmp_path / "o3")
-    assert type(text.reader) is SourceReader and "read by lmpretrain's readers" in text.summary
+    assert type(text.stages[0].pipeline[0]) is SourceReader and "read by lmpretrain's readers" in text.summary
 
 
 def test_old_parquet_token_cache_gets_one_message_and_converts(tmp_path, small_tokenizer, capsys):

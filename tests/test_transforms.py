@@ -2,15 +2,17 @@
 sources alike, whole documents at a time, counted when they drop one, resumable, and in the fingerprint."""
 
 import json
+import re
 
 import pytest
 from data_helpers import documents, make, stream_tokens
 
 from lmpretrain.config import DataConfig, SourceSpec
 from lmpretrain.data import heldout_blocks
+from lmpretrain.data.cursor import SourceCursor
 from lmpretrain.data.readers import CHUNK
 from lmpretrain.data.sources import open_source
-from lmpretrain.data.transforms import load_transforms
+from lmpretrain.data.transforms import TransformError, load_transforms
 from lmpretrain.errors import CheckpointMismatchError, ConfigError, DataError
 from lmpretrain.run.fingerprint import check_fingerprint
 
@@ -90,13 +92,14 @@ def test_a_transform_sees_a_long_document_whole(tmp_path, small_tokenizer, monke
     big = "Line of a long document\n" * (3 * CHUNK // 24)
     path = tmp_path / "corpus.txt"
     path.write_text("a short one\n<|sep|>" + big + "<|sep|>another short one\n")
-    source = open_source(
-        SourceSpec(files=[str(path)], separator="<|sep|>"), load_transforms(["filters:longest_only"])
-    )
-    items = list(source.read(source.pieces(1)[0], None))
-    kept = [i for i in items if type(i).__name__ == "Unit"]
-    assert [len(u.value) for u in kept] == [len(big)] and kept[0].bos and kept[0].eos
-    assert [type(i).__name__ for i in items].count("Dropped") == 2
+    transforms = load_transforms(["filters:longest_only"])
+    source = open_source(SourceSpec(files=[str(path)], separator="<|sep|>"), transforms)
+    assert len(list(source.read(source.pieces(1)[0], None))) == 3  # the long one comes as one unit
+    cursor = SourceCursor(source, 0, 0, 1, seed=0, shuffle=False, transform=transforms.chain())
+    kept = cursor.next_unit()
+    assert len(kept.value) == len(big) and kept.bos and kept.eos and cursor.filtered == 1
+    cursor.next_unit()  # the next pass: the short ones dropped again
+    assert cursor.filtered == 3 and cursor.epoch == 1
 
 
 def test_the_held_out_set_is_transformed_like_training(corpus, small_tokenizer):
@@ -196,3 +199,159 @@ def test_with_other_transforms_a_restored_stream_goes_on_from_its_frontier(corpu
     assert texts and all(t in originals for t in texts)  # read on, no longer lower-cased nor filtered
     old.close()
     new.close()
+
+
+# ---- transforms with state, token files, errors ---------------------------------------------------------------
+
+DEDUP = "examples/data_transforms.py:ExactDedup"
+RAISING = """
+def boom(text, source):
+    if "Doc3" in text:
+        raise ValueError("cannot handle Doc3")
+    return text
+
+
+class NoState:
+    def __call__(self, text, source):
+        return text
+
+
+class NeedsArgs:
+    def __init__(self, size):
+        self.size = size
+
+    def __call__(self, text, source):
+        return text
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+"""
+
+
+@pytest.fixture
+def duplicated(tmp_path):
+    """One JSON Lines file (one piece, shared by the streams) of 150 distinct documents, each 3 times in a row."""
+    docs = [f"Doc{i} " + "word " * (5 + i % 7) for i in range(150) for _ in range(3)]
+    path = tmp_path / "dups.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def test_a_stateful_dedup_sees_its_streams_share_only_and_keeps_its_state_per_stream(
+    tmp_path, small_tokenizer
+):
+    """Distinct documents: nothing is dropped, whatever the streams (a dedup that ran before the streams
+    took their shares dropped each stream's documents as seen by the others)."""
+    path = tmp_path / "distinct.jsonl"
+    path.write_text("".join(json.dumps({"text": f"Doc{i} " + "word " * 9}) + "\n" for i in range(120)))
+    kw = dict(num_streams=3, transforms=[DEDUP], doc_shuffle_window=4)
+    ts = make([SourceSpec(files=[str(path)])], small_tokenizer, **kw)
+    assert "state kept per stream: examples/data_transforms.py:ExactDedup" in ts.describe()
+    steps = [b for b, _ in zip(ts.start(), range(6), strict=False)]
+    assert steps[-1].filtered_docs == 0
+    state = ts.state_dict()["streams"]
+    seen = [set(state[s]["frontier"]["start"]["transforms"][DEDUP]["seen"]) for s in range(3)]  # read so far
+    assert all(seen) and not (seen[0] & seen[1] or seen[1] & seen[2] or seen[0] & seen[2])  # per stream
+    ts.close()
+
+
+def test_a_stateful_dedup_drops_copies_and_a_resume_continues_exactly(duplicated, small_tokenizer):
+    kw = dict(num_streams=2, transforms=[DEDUP], doc_shuffle_window=8)
+    ts = make([SourceSpec(files=[str(duplicated)])], small_tokenizer, **kw)
+    it = ts.start()
+    while ts.state_dict()["streams"][0]["docs"]["window"] < 2:  # past the first windows: a state that matters
+        next(it)
+    state = json.loads(json.dumps(ts.state_dict()))  # as a checkpoint holds it: plain data
+    assert all(s["docs"]["start"]["transforms"][DEDUP]["seen"] for s in state["streams"].values())
+    after = [next(it) for _ in range(12)]
+    assert after[-1].filtered_docs > 0  # copies were dropped
+    resumed = make([SourceSpec(files=[str(duplicated)])], small_tokenizer, **kw)
+    resumed.load_state_dict(state)
+    again = [b for b, _ in zip(resumed.start(), range(12), strict=False)]
+    for a, b in zip(after, again, strict=True):
+        assert a.input_ids.equal(b.input_ids) and a.filtered_docs == b.filtered_docs
+    # the same resume without the transforms' state re-reads documents its window had seen: blocks differ
+    for s in state["streams"].values():
+        s["docs"]["start"].pop("transforms")
+    fresh = make([SourceSpec(files=[str(duplicated)])], small_tokenizer, **kw)
+    fresh.load_state_dict(state)
+    other = [b for b, _ in zip(fresh.start(), range(12), strict=False)]
+    assert any(not a.input_ids.equal(b.input_ids) for a, b in zip(after, other, strict=True))
+    for stream in (ts, resumed, fresh):
+        stream.close()
+
+
+def test_transform_classes_need_state_methods_and_a_plain_constructor(tmp_path, monkeypatch):
+    (tmp_path / "raising.py").write_text(RAISING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        load_transforms(["raising:NoState", "raising:NeedsArgs"])
+    assert "raising:NoState is a class without state_dict, load_state_dict" in err.value.problems[0]
+    assert (
+        "raising:NeedsArgs is a class that cannot be built with no arguments (TypeError"
+        in err.value.problems[1]
+    )
+    assert load_transforms([DEDUP]).stateful == [DEDUP]
+
+
+def test_a_transform_that_raises_is_named_with_the_source_and_the_document(corpus, small_tokenizer, tmp_path):
+    path, long, _ = corpus
+    (tmp_path / "raising.py").write_text(RAISING)
+    ts = make([SourceSpec(files=[str(path)])], small_tokenizer, num_streams=1, transforms=["raising:boom"])
+    with pytest.raises(TransformError) as err:
+        next(ts.start())
+    line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if "Doc3" in text)
+    assert str(err.value) == (
+        f"data.transforms: raising:boom raised ValueError: cannot handle Doc3 on the document at {path} line "
+        f"{line} (source files:{path}); fix the transform, or have it return None to drop such a document"
+    )
+    ts.close()
+
+
+def test_prepare_records_the_transforms_and_a_token_source_given_others_is_refused(
+    corpus, small_tokenizer, tmp_path
+):
+    from lmpretrain.data.prepare import write_token_files
+
+    path, long, _ = corpus
+    transforms = load_transforms(["filters:keep_long_lowercased"])
+    header = write_token_files(
+        SourceSpec(files=[str(path)]), small_tokenizer, tmp_path / "tok", transforms=transforms
+    )
+    assert header["transforms"] == transforms.fingerprint() and header["filtered"] == 4
+    assert len(header["transforms"][0]["sha256"]) == 64
+    plain = write_token_files(SourceSpec(files=[str(path)]), small_tokenizer, tmp_path / "plain")
+    assert plain["transforms"] == [] and plain["filtered"] == 0
+    data = DataConfig(train=[SourceSpec(files=[str(tmp_path / "tok")])], tokenizer="small", seq_len=16)
+    # prepared with these transforms: accepted (not applied again), and in the fingerprint
+    ts = make(data.train, small_tokenizer, transforms=["filters:keep_long_lowercased"], tokenizer="small")
+    assert ts.fingerprint()["sources"][0]["transforms"] == transforms.fingerprint()
+    ts.close()
+    refused = (
+        f"source files:{tmp_path / 'plain'} is token files, which data.transforms (filters:longest_only)"
+    )
+    with pytest.raises(DataError, match=re.escape(refused)) as err:
+        make([SourceSpec(files=[str(tmp_path / "plain")])], small_tokenizer, transforms=["filters:longest_only"],
+             tokenizer="small")  # fmt: skip
+    assert "they were prepared without them" in str(err.value)
+    assert (
+        f"python scripts/prepare_data.py --files {path} --tokenizer small --transform filters:longest_only "
+        f"--out {tmp_path / 'plain'}-transformed" in str(err.value)
+    )
+    with pytest.raises(DataError, match=r"they were prepared with \['filters:keep_long_lowercased'\]"):
+        make(
+            [SourceSpec(files=[str(tmp_path / "tok")])], small_tokenizer, transforms=["filters:longest_only"]
+        )
+    with pytest.raises(DataError, match="stateful examples/data_transforms.py:ExactDedup cannot run there"):
+        make([SourceSpec(files=[str(tmp_path / "tok")])], small_tokenizer,
+             transforms=["filters:keep_long_lowercased", DEDUP])  # fmt: skip
+    with pytest.raises(DataError, match="keeps state"):
+        write_token_files(
+            SourceSpec(files=[str(path)]),
+            small_tokenizer,
+            tmp_path / "x",
+            transforms=load_transforms([DEDUP]),
+        )

@@ -14,7 +14,9 @@ shuffled order) — plus how many blocks of the block window were emitted. A res
 and re-reads one document window and one block window; nothing before is replayed. The state also holds the
 *frontier* (the sources' positions after the last document window read) and the tokens each source gave
 to the emitted blocks: when the mixture changes at resume (data/mixture.py), a stream restarts from its
-frontier, so each source goes on with the documents it would have read next.
+frontier, so each source goes on with the documents it would have read next. The stream's stateful
+data.transforms (data/transforms.py) are snapshot with the source positions at each document window's
+start and end, so the re-read window is transformed exactly as it was.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from lmpretrain.data.cursor import TAG_BLOCKS, TAG_DOCS, TAG_MIX, SourceCursor, 
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.readers import Unit
 from lmpretrain.data.sources import Source
+from lmpretrain.data.transforms import Transforms
 from lmpretrain.errors import DataError
 
 DOC_WINDOW_BYTES_PER_DOC = 8192  # a document window holds at most doc_window x this much text
@@ -77,12 +80,14 @@ class BlockStream:
         stream: int,
         state: dict | None = None,
         source_ids: list[int] | None = None,
+        transforms: Transforms | None = None,
     ):
         s = settings
         # A source's id seeds its piece order: it stays the same when other sources are added or removed.
         ids = source_ids if source_ids is not None else list(range(len(sources)))
+        self.transform = transforms.chain() if transforms else None  # this stream's own instances
         self.cursors = [
-            SourceCursor(src, i, stream, s.num_streams, s.seed, s.shuffle)
+            SourceCursor(src, i, stream, s.num_streams, s.seed, s.shuffle, self.transform)
             for i, src in zip(ids, sources, strict=True)
         ]
         weights = np.array([src.spec.weight for src in sources], dtype=np.float64)
@@ -142,7 +147,10 @@ class BlockStream:
     # ---- document windows ----------------------------------------------------------------------------
 
     def _snapshot(self) -> dict:
-        return {"mix": self.mix, "open": self.open, "sources": [c.position() for c in self.cursors]}
+        snapshot = {"mix": self.mix, "open": self.open, "sources": [c.position() for c in self.cursors]}
+        if self.transform is not None and self.transform.stateful:
+            snapshot["transforms"] = self.transform.state_dict()
+        return snapshot
 
     def _choose_source(self) -> int:
         if len(self.cursors) == 1:
@@ -244,6 +252,8 @@ class BlockStream:
         self.mix, self.open = int(start["mix"]), int(start["open"])
         for cursor, position in zip(self.cursors, start["sources"], strict=True):
             cursor.seek(position)
+        if self.transform is not None and self.transform.stateful:
+            self.transform.load_state_dict(start.get("transforms", {}))
         self.doc_window = int(docs["window"]) - 1
         self._load_doc_window()
         unit, offset = int(docs["unit"]), int(docs["offset"])

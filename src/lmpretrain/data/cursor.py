@@ -1,17 +1,22 @@
 """`SourceCursor`: one stream's position in one source — endless epochs over the stream's pieces (their
 order permuted per epoch with the seed), a position inside the current piece, and counts of the records
 it has seen and skipped as bad. Its position is plain data; seeking to it reads nothing before it.
+
+The stream's data.transforms (a `TransformChain`, shared by the stream's cursors) run here, on the documents
+of the stream's own share only: after the pieces and the segments of shared pieces are divided among the
+streams, so a stateful transform sees exactly its stream's documents.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
 
 from lmpretrain.data.readers import Bad, Unit, line_number
 from lmpretrain.data.sources import Source
-from lmpretrain.data.transforms import Dropped
+from lmpretrain.data.transforms import TransformChain
 from lmpretrain.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -43,8 +48,19 @@ def piece_plan(n_pieces: int, num_streams: int, stream: int) -> tuple[list[int],
 class SourceCursor:
     """Position of one stream in one source; see the module docstring."""
 
-    def __init__(self, source: Source, index: int, stream: int, num_streams: int, seed: int, shuffle: bool):
+    def __init__(
+        self,
+        source: Source,
+        index: int,
+        stream: int,
+        num_streams: int,
+        seed: int,
+        shuffle: bool,
+        transform: TransformChain | None = None,
+    ):
         self.source, self.index, self.stream, self.num_streams = source, index, stream, num_streams
+        # data.transforms for a text source (token sources were transformed when they were prepared)
+        self.transform = transform if transform and not source.tokens else None
         pieces = source.pieces(num_streams)
         owned, self.keep_every, self.phase = piece_plan(len(pieces), num_streams, stream)
         self.pieces = [pieces[u] for u in owned]
@@ -114,12 +130,6 @@ class SourceCursor:
                 continue
             self.records_read += 1
             ours = self.segment % self.keep_every == self.phase
-            if isinstance(item, Dropped):  # a whole document a data transform dropped: not a bad record
-                self.at, self.segment = item.after, self.segment + 1
-                if ours:
-                    self.seen += 1
-                    self.filtered += 1
-                continue
             if isinstance(item, Bad):
                 if item.after is not None:  # a whole record (not a line inside a text unit)
                     self.at = item.after
@@ -127,11 +137,18 @@ class SourceCursor:
                 if ours:
                     self._skip(item)
                 continue
-            self.at = item.after
+            start, self.at = self.at, item.after
             self.segment += item.last
-            if ours:
-                self.seen += item.records
+            if not ours:
+                continue
+            self.seen += item.records
+            if self.transform is None:
                 return item
+            where = functools.partial(self.source.locate, self._piece(), start)  # said only if it raises
+            text = self.transform(item.value, self.source.label, where)
+            if text is not None:
+                return item._replace(value=text)
+            self.filtered += 1  # dropped by a transform: counted in train/filtered_docs, not a bad record
 
     def _skip(self, bad: Bad) -> None:
         self.seen += 1

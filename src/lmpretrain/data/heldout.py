@@ -44,12 +44,13 @@ def heldout_blocks(
     framed as `add_bos` says (the training stream's: `TrainStream.encoder.add_bos`; default data.add_bos).
     `progress`: draw a bar (pass True on the main process only)."""
     encoder = Encoder(tokenizer, data.add_bos if add_bos is None else add_bos)
-    sources = open_sources(data.eval, tokenizer, load_transforms(data.transforms), data.max_open_files)
+    transforms = load_transforms(data.transforms)
+    sources = open_sources(data.eval, tokenizer, transforms, data.max_open_files, data.tokenizer)
     need = num_blocks * data.seq_len
     cap = max(data.seq_len, need // MIN_DOCUMENTS)
     with bar(desc="held-out set", unit="block", total=num_blocks, enabled=progress) as shown:
         docs = _read_documents(
-            sources, encoder, need, cap, lambda have: shown.update(have // data.seq_len - shown.n)
+            sources, encoder, need, cap, lambda have: shown.update(have // data.seq_len - shown.n), transforms
         )
         held = sum(len(d) for d in docs)
         shown.update(min(held, need) // data.seq_len - shown.n)
@@ -73,9 +74,11 @@ def heldout_blocks(
     return torch.from_numpy(tokens[:need].astype(np.int64).reshape(num_blocks, data.seq_len))
 
 
-def _read_documents(sources, encoder: Encoder, need: int, cap: int, progress) -> list[np.ndarray]:
-    """Framed token arrays of whole documents, each source read once in order, until the capped documents
-    fill the set or the read limit is held."""
+def _read_documents(sources, encoder: Encoder, need: int, cap: int, progress, transforms) -> list[np.ndarray]:
+    """Framed token arrays of whole documents, each source read once in order (through `transforms`, a
+    stateful one's state running on over the sources), until the capped documents fill the set or the read
+    limit is held."""
+    chain = transforms.chain() if transforms else None
     limit = max(READ_LIMIT, MIN_DOCUMENTS * need)
     docs: list[np.ndarray] = []
     current: list[np.ndarray] = []  # units of the document being read
@@ -85,7 +88,7 @@ def _read_documents(sources, encoder: Encoder, need: int, cap: int, progress) ->
         return capped >= need or held >= limit
 
     for src in sources:
-        cursor = SourceCursor(src, 0, 0, 1, seed=0, shuffle=False)
+        cursor = SourceCursor(src, 0, 0, 1, seed=0, shuffle=False, transform=chain)
         done = False
         while not enough() and not done:
             batch, chars = [], 0

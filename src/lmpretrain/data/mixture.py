@@ -103,6 +103,9 @@ def restart_at_frontier(state: dict, saved: list[dict], keys: list[str]) -> dict
         "mix": start["mix"],
         "open": keys.index(open_key) if open_key in keys else -1,
         "sources": [copy.deepcopy(position.get(k, SourceCursor.initial_position())) for k in keys],
+        **(
+            {"transforms": copy.deepcopy(start["transforms"])} if "transforms" in start else {}
+        ),  # their state
     }
     return {
         "window": int(state["window"]) + 1,

@@ -27,6 +27,7 @@ from lmpretrain.data import readers
 from lmpretrain.data.readers import Piece
 from lmpretrain.data.token_files import MAX_OPEN_FILES, TokenFiles, is_token_folder
 from lmpretrain.data.token_layouts import not_tokens_message
+from lmpretrain.data.transforms import check_token_sources, join_segments
 from lmpretrain.errors import DataError
 
 OLD_TOKENS_META = "tokens_meta.json"  # marks a parquet token cache of lmpretrain <= 0.x (retired)
@@ -127,7 +128,7 @@ class Source:
         ]
         self._row_group_bytes: list[list[int]] = []
         self._pieces: dict[int, list[Piece]] = {}
-        self.transforms = None  # data.transforms (data/transforms.py), set by open_sources for text sources
+        self.whole_documents = False  # read documents whole, for data.transforms (set by open_source)
 
     @property
     def label(self) -> str:
@@ -145,8 +146,8 @@ class Source:
 
     def splittable(self, f: int) -> bool:
         # A transform sees whole documents: a file that is one document is not cut into pieces for it.
-        whole_document = self.transforms and self.format == "text" and self.spec.separator is None
-        return not (self.files[f].endswith(".gz") or self.json_arrays[f] or whole_document)
+        one_document = self.whole_documents and self.format == "text" and self.spec.separator is None
+        return not (self.files[f].endswith(".gz") or self.json_arrays[f] or one_document)
 
     def pieces(self, num_streams: int) -> list[Piece]:
         """The source's pieces for `num_streams` streams (cached): a function of the files and num_streams only."""
@@ -191,9 +192,22 @@ class Source:
         return bounds + [len(sizes)]
 
     def read(self, piece: Piece, at: list[int] | None):
-        """Units (and Bad records) of `piece` from position `at` (None: its start), through data.transforms."""
+        """Units (and Bad records) of `piece` from position `at` (None: its start); documents whole (one unit
+        each) when they are to be transformed."""
         items = self._read(piece, at)
-        return items if not self.transforms else self.transforms.apply(items, self.label)
+        return join_segments(items) if self.whole_documents else items
+
+    def locate(self, piece: Piece, at: list[int] | None) -> str:
+        """Where the document that starts at position `at` of `piece` is, in words: file and line, or record."""
+        if self.is_hub:
+            return f"record {at[0] if at else 0} of shard {piece.file} of {self.label}"
+        path = self.files[piece.file]
+        if self.format in ("text", "json") and not self.json_arrays[piece.file]:
+            return f"{path} line {readers.line_number(path, at[0] if at else piece.start)}"
+        if self.format == "parquet":
+            group, row = at if at else (piece.start, 0)
+            return f"{path} row group {group} row {row}"
+        return f"{path} record {at[0] if at else 0}"
 
     def _read(self, piece: Piece, at: list[int] | None):
         if self.is_hub:
@@ -255,7 +269,8 @@ class Source:
 
     def fingerprint(self) -> dict:
         """The spec plus the expanded file list (count, bytes, hash of names and sizes): files added under a glob
-        count. Hub files count without their commit: any commit to the repository (a README edit) moves it."""
+        count. Hub files count without their commit: any commit to the repository (a README edit) moves it.
+        Token files prepared with data.transforms add the transforms their header records."""
         names = [_HUB_COMMIT.sub(r"\1/", f) for f in self.files]
         listing = json.dumps([[f, s] for f, s in zip(names, self.sizes, strict=True)])
         files = {
@@ -263,16 +278,17 @@ class Source:
             "bytes": sum(self.sizes),
             "sha256": hashlib.sha256(listing.encode()).hexdigest()[:16],
         }
-        return {**asdict(self.spec), "expanded": files}
+        prepared = self.token_files.layouts[0].header.get("transforms") if self.token_files else None
+        # (only when there are some: fingerprints of runs on token files without them stay as they were)
+        return {**asdict(self.spec), "expanded": files, **({"transforms": prepared} if prepared else {})}
 
 
 def open_source(spec: SourceSpec | dict, transforms=None, max_open_files: int = MAX_OPEN_FILES) -> Source:
-    """Open a source; checks files, format and field before any work. `transforms` (data.transforms,
-    data/transforms.py) apply to what a text source reads; token sources are read as prepared, with at most
-    `max_open_files` descriptors per process."""
+    """Open a source; checks files, format and field before any work. With `transforms` (data.transforms,
+    data/transforms.py) a text source is read in whole documents; token sources are read as prepared, with
+    at most `max_open_files` descriptors per process."""
     source = _open_source(as_spec(spec), max_open_files)
-    if transforms and not source.tokens:
-        source.transforms = transforms
+    source.whole_documents = bool(transforms) and not source.tokens
     return source
 
 
@@ -478,13 +494,19 @@ def is_old_token_cache(path: str) -> bool:
 
 
 def open_sources(
-    specs: list[SourceSpec | dict], tokenizer, transforms=None, max_open_files: int = MAX_OPEN_FILES
+    specs: list[SourceSpec | dict],
+    tokenizer,
+    transforms=None,
+    max_open_files: int = MAX_OPEN_FILES,
+    tokenizer_name: str = "<data.tokenizer>",
 ) -> list[Source]:
     """Open every source; token files must come from this tokenizer. `transforms` (data.transforms,
-    data/transforms.py) apply to the text sources; token sources are read as prepared."""
+    data/transforms.py) apply to the text sources; token sources must have been prepared with them
+    (`check_token_sources`: else refused, naming the prepare command, with `tokenizer_name`)."""
     if not specs:
         raise DataError("no data sources given (data.train or data.eval is empty)")
     opened = [open_source(s, transforms, max_open_files) for s in specs]
+    check_token_sources(opened, transforms, tokenizer_name)
     for src in opened:
         if src.token_files is not None:
             from lmpretrain.data.token_files import check_tokenizer

@@ -29,7 +29,7 @@ from lmpretrain.data.block_stream import BlockStream, StreamSettings
 from lmpretrain.data.encoder import Encoder
 from lmpretrain.data.global_shuffle import GlobalBlocksDataset, GlobalOrder, resolve_shuffle
 from lmpretrain.data.sources import Source, open_sources
-from lmpretrain.data.transforms import load_transforms
+from lmpretrain.data.transforms import Transforms, load_transforms
 from lmpretrain.errors import DataError, UserError
 
 if TYPE_CHECKING:
@@ -128,18 +128,21 @@ class _StreamsDataset(IterableDataset):
         states: dict[int, dict],
         sizes: StepSizes,
         source_ids: list[int],
+        transforms: Transforms | None = None,
     ):
         super().__init__()
         self.sources, self.encoder, self.settings = sources, encoder, settings
         self.streams, self.states, self.sizes = streams, states, sizes
-        self.source_ids = source_ids
+        self.source_ids, self.transforms = source_ids, transforms
         self.block_streams: dict[int, BlockStream] = {}
 
     def __iter__(self):
         info = get_worker_info()
         mine = self.streams if info is None else self.streams[info.id :: info.num_workers]
         self.block_streams = {
-            s: BlockStream(self.sources, self.encoder, self.settings, s, self.states[s], self.source_ids)
+            s: BlockStream(
+                self.sources, self.encoder, self.settings, s, self.states[s], self.source_ids, self.transforms
+            )
             for s in mine
         }
         try:
@@ -209,7 +212,9 @@ class TrainStream:
             raise DataError("invalid data settings:\n  - " + "\n  - ".join(problems))
         self.encoder = Encoder(tokenizer, data.add_bos)  # checks EOS/BOS before reading any data
         self.transforms = load_transforms(data.transforms)  # a fork's document filters (data/transforms.py)
-        self.sources = open_sources(data.train, tokenizer, self.transforms, data.max_open_files)
+        self.sources = open_sources(
+            data.train, tokenizer, self.transforms, data.max_open_files, data.tokenizer
+        )
         prepared = prepared_add_bos(data.add_bos, self.sources)
         if prepared is not None and prepared != self.encoder.add_bos:  # unset, and the files frame otherwise
             self.encoder = Encoder(tokenizer, prepared)
@@ -290,6 +295,7 @@ class TrainStream:
                 copy.deepcopy(self._states),
                 sizes,
                 self.source_ids,
+                self.transforms,
             )
         if self.num_workers == 0:
             items = iter(self._dataset)

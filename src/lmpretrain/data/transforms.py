@@ -1,15 +1,24 @@
-"""`data.transforms`: a fork's functions over each document's text, applied wherever a text source is read.
+"""`data.transforms`: a fork's functions (or stateful classes) over each document's text.
 
-Each entry is `module:function` (a module on the Python path) or `path/to/file.py:function`. The function
-takes a document's text and its source's label (`def f(text, source)`, or `def f(text)`) and returns the
-text to tokenize, or None to drop the document. Several run in order; a drop ends the chain.
+Each entry is `module:name` (a module on the Python path) or `path/to/file.py:name`, naming either
 
-They apply to every text source of a run, training and held-out alike, and in `scripts/prepare_data.py
---transform`, because they sit in `Source.read` (data/sources.py), below everything that reads a source:
-a reader's units are joined into their whole segment (a document; readers cut long text documents into
-64 KiB units), the segment is transformed and comes out as one unit, or as a `Dropped` record that streams
-skip and count (`train/filtered_docs`). Token sources are read as prepared. Their names and the sha256 of
-the files that define them are part of the resume fingerprint (`fingerprint()`).
+- a **function** `f(text, source)` (or `f(text)`) that returns the text to tokenize, or None to drop the
+  document. It must be pure: the same output for the same input, whenever it is called (a resume re-reads
+  documents, and each stream calls it in its own process); or
+- a **class** with `__call__(text, source)`, `state_dict()` and `load_state_dict(state)`, built with no
+  arguments once per stream (a hash-set dedup, a running count): its state is kept per stream in the data
+  position, in the checkpoints with it, so a resume is exact. `state_dict()` returns plain data (dicts,
+  lists, strings, numbers) that later calls do not change; it is taken at every document window (64
+  documents by default) and every step, so keep it small.
+
+Several run in order; a drop ends the chain. They run on each stream's own share of a source, after the
+streams have taken their shares (data/cursor.py: a stream never sees, so never counts or dedups, another
+stream's documents), on whole documents (a reader's units joined: `join_segments`), for every text source of
+a run, training and held-out alike; token files are transformed when they are prepared (`scripts/
+prepare_data.py --transform`, recorded in their header), and a run given data.transforms for token files
+prepared otherwise is refused (`check_token_sources`). A transform that raises stops the run with one
+message naming it, the source and the document. Names and the sha256 of the files that define them are in
+the resume fingerprint (`fingerprint()`).
 """
 
 from __future__ import annotations
@@ -26,20 +35,20 @@ from pathlib import Path
 from lmpretrain.data.readers import Bad, Unit
 from lmpretrain.errors import ConfigError, DataError
 
+PREPARE_COMMAND = "python scripts/prepare_data.py"
 
-class Dropped(Bad):
-    """A document a transform dropped (returned None): skipped like a bad record by readers of a source
-    that do not tell them apart, counted as filtered, not as bad, by the streams."""
 
-    __slots__ = ()
+class TransformError(DataError):
+    """A data transform raised on a document: the message names the transform, the source and the document."""
 
 
 @dataclass(frozen=True)
 class Transform:
-    name: str  # as configured: module:function or path.py:function
-    function: Callable
+    name: str  # as configured: module:name or path.py:name
+    function: Callable  # a function, or a class (one instance per stream)
     takes_source: bool  # f(text, source) rather than f(text)
-    sha256: str | None  # of the file defining the function (None: no file, e.g. a builtin)
+    sha256: str | None  # of the file defining it (None: no file, e.g. a builtin)
+    stateful: bool = False  # a class with state_dict / load_state_dict
 
 
 def _module(where: str):
@@ -94,7 +103,8 @@ def transform_name(function: Callable) -> str:
 
 
 class Transforms:
-    """The loaded `data.transforms` of a run; call it on (text, source label)."""
+    """The loaded `data.transforms` of a run: what the fingerprint and the start-up log name; `chain()` gives
+    the callable one stream applies (with its own instances of the stateful ones)."""
 
     def __init__(self, transforms: Sequence[Transform]):
         self.transforms = tuple(transforms)
@@ -102,52 +112,111 @@ class Transforms:
     def __bool__(self) -> bool:
         return bool(self.transforms)
 
-    def __call__(self, text: str, source: str) -> str | None:
-        for t in self.transforms:
-            text = t.function(text, source) if t.takes_source else t.function(text)
-            if text is None:
-                return None
-            if not isinstance(text, str):
-                raise DataError(
-                    f"data.transforms: {t.name} returned {type(text).__name__} for a document of {source}; "
-                    "a transform returns the text to tokenize (a str) or None to drop the document"
-                )
-        return text
+    @property
+    def stateful(self) -> list[str]:
+        """The names of the transforms that keep state."""
+        return [t.name for t in self.transforms if t.stateful]
+
+    def chain(self) -> TransformChain:
+        return TransformChain(self.transforms)
 
     def fingerprint(self) -> list[dict]:
         """What the resume check compares: each transform's name and the sha256 of its file."""
         return [{"name": t.name, "sha256": t.sha256} for t in self.transforms]
 
     def describe(self) -> str:
-        return "transforms: " + " -> ".join(t.name for t in self.transforms)
+        kept = f" (state kept per stream: {', '.join(self.stateful)})" if self.stateful else ""
+        return "transforms: " + " -> ".join(t.name for t in self.transforms) + kept
 
-    def apply(self, items: Iterator[Unit | Bad], source: str) -> Iterator[Unit | Bad]:
-        """A reader's items with each segment's units joined, transformed and yielded as one unit, or as
-        `Dropped` at the segment's end position. Bad lines inside a segment pass through as they come."""
-        parts: list[Unit] = []
-        for item in items:
-            if isinstance(item, Bad):
-                yield item
-                continue
-            parts.append(item)
-            if item.last:
-                yield self._segment(parts, source)
-                parts = []
-        if parts:  # readers end every piece on a segment end; kept whole should one not
-            yield self._segment(parts, source)
 
-    def _segment(self, parts: list[Unit], source: str) -> Unit | Bad:
-        first, end = parts[0], parts[-1]
-        text = parts[0].value if len(parts) == 1 else "".join(p.value for p in parts)
-        records = sum(p.records for p in parts)
-        out = self(text, source)
-        if out is None:
-            return Dropped(source, None, None, "dropped by data.transforms", end.after)
-        return Unit(out, first.bos, end.eos, True, end.after, records)
+class TransformChain:
+    """The transforms as one stream applies them: call it on (text, source label, where), where `where()`
+    says which document this is (for the message when a transform raises)."""
+
+    def __init__(self, transforms: Sequence[Transform]):
+        self.steps = [(t, t.function() if t.stateful else t.function) for t in transforms]
+
+    @property
+    def stateful(self) -> bool:
+        return any(t.stateful for t, _ in self.steps)
+
+    def __call__(self, text: str, source: str, where: Callable[[], str]) -> str | None:
+        for t, fn in self.steps:
+            try:
+                text = fn(text, source) if t.takes_source else fn(text)
+            except Exception as err:  # noqa: BLE001 - the user's code: named with the document, no traceback
+                raise TransformError(
+                    f"data.transforms: {t.name} raised {type(err).__name__}: {err} on the document at {where()} "
+                    f"(source {source}); fix the transform, or have it return None to drop such a document"
+                ) from err
+            if text is None:
+                return None
+            if not isinstance(text, str):
+                raise TransformError(
+                    f"data.transforms: {t.name} returned {type(text).__name__} for the document at {where()} "
+                    f"(source {source}); a transform returns the text to tokenize (a str) or None to drop it"
+                )
+        return text
+
+    def state_dict(self) -> dict:
+        """Each stateful transform's state, by name."""
+        return {t.name: fn.state_dict() for t, fn in self.steps if t.stateful}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` gave; a transform missing from it starts afresh (it was added at a resume
+        that run.allow_data_change accepted)."""
+        for i, (t, fn) in enumerate(self.steps):
+            if t.stateful:
+                if t.name in state:
+                    fn.load_state_dict(state[t.name])
+                else:
+                    self.steps[i] = (t, t.function())
+
+
+def join_segments(items: Iterator[Unit | Bad]) -> Iterator[Unit | Bad]:
+    """A reader's items with each segment's units joined into one unit (a whole document, whatever the
+    readers cut it into), so a transform sees documents whole. Bad lines inside a segment pass as they come."""
+    parts: list[Unit] = []
+    for item in items:
+        if isinstance(item, Bad):
+            yield item
+            continue
+        parts.append(item)
+        if item.last:
+            yield _joined(parts)
+            parts = []
+    if parts:  # readers end every piece on a segment end; kept whole should one not
+        yield _joined(parts)
+
+
+def _joined(parts: list[Unit]) -> Unit:
+    if len(parts) == 1:
+        return parts[0]
+    first, end = parts[0], parts[-1]
+    text = "".join(p.value for p in parts)
+    return Unit(text, first.bos, end.eos, True, end.after, sum(p.records for p in parts))
+
+
+def _stateful_problem(name: str, cls: type) -> str | None:
+    """Why the class `cls` cannot be a transform, or None."""
+    missing = [
+        m for m in ("__call__", "state_dict", "load_state_dict") if not callable(getattr(cls, m, None))
+    ]
+    if missing:
+        return (
+            f"data.transforms: {name} is a class without {', '.join(missing)}: a transform class needs "
+            "__call__(text, source), state_dict() and load_state_dict(state) (its state goes into checkpoints); "
+            "name a function for a transform without state"
+        )
+    try:
+        cls()
+    except Exception as err:  # noqa: BLE001 - the user's constructor, named with its cause
+        return f"data.transforms: {name} is a class that cannot be built with no arguments ({type(err).__name__}: {err})"
+    return None
 
 
 def load_transforms(names: Sequence[str]) -> Transforms:
-    """The functions `names` (module:function or file.py:function) name; one ConfigError lists every one
+    """The functions and classes `names` (module:name or file.py:name) name; one ConfigError lists every one
     that cannot be loaded."""
     loaded, problems = [], []
     for name in names:
@@ -172,7 +241,73 @@ def load_transforms(names: Sequence[str]) -> Transforms:
         if not callable(function):
             problems.append(f"data.transforms: {where!r} has no function {attr!r}")
             continue
-        loaded.append(Transform(str(name), function, _takes_source(function), _file_sha256(function)))
+        stateful = isinstance(function, type)
+        if stateful and (problem := _stateful_problem(str(name), function)):
+            problems.append(problem)
+            continue
+        takes = _takes_source(function() if stateful else function)
+        loaded.append(Transform(str(name), function, takes, _file_sha256(function), stateful))
     if problems:
         raise ConfigError(problems)
     return Transforms(loaded)
+
+
+def check_token_sources(sources, transforms: Transforms, tokenizer: str) -> None:
+    """data.transforms cannot change token files (they hold tokens): a token source must have been prepared
+    with exactly these transforms (its header records their names and file hashes), which then are not
+    applied again; any other is refused, before the model is built, with the prepare command that applies
+    them (`tokenizer`: the run's data.tokenizer, for the command)."""
+    if not transforms:
+        return
+    problems = []
+    for source in sources:
+        if source.token_files is None:
+            continue
+        recorded = [layout.header.get("transforms") for layout in source.token_files.layouts]
+        if all(r == transforms.fingerprint() for r in recorded):
+            continue
+        names = [t["name"] for t in transforms.fingerprint()]
+        if any(r and [t["name"] for t in r] == names for r in recorded):
+            why = "the files defining them changed since the token files were prepared (sha256 differs)"
+        elif any(r for r in recorded):
+            why = f"they were prepared with {[t['name'] for r in recorded if r for t in r]}"
+        else:
+            why = "they were prepared without them"
+        problems.append(
+            f"source {source.label} is token files, which data.transforms ({', '.join(names)}) cannot change "
+            f"(they hold tokens, not text), and {why}. Prepare them with the transforms, then train on that "
+            f"folder with the same data.transforms (or none): {_prepare_command(source, transforms, tokenizer)}; "
+            "or train on the text source (without `format: tokens`)"
+        )
+    if problems:
+        raise DataError("; ".join(problems))
+
+
+def _prepare_command(source, transforms: Transforms, tokenizer: str) -> str:
+    """scripts/prepare_data.py's command line that writes `source`'s tokens through `transforms`."""
+    spec = source.spec
+    label = spec.label if spec.name else source.token_files.layouts[0].header.get("source", "")
+    kind, _, rest = label.partition(":")
+    if spec.name:
+        text = f"--builtin {spec.name} --split {spec.split}"
+        out = f"data/{spec.name}-{spec.split}-transformed"
+    elif kind == "files":
+        text = " ".join(f"--files {f}" for f in rest.split(","))
+        out = str(Path(spec.files[0])).rstrip("/") + "-transformed"
+    elif kind == "hub":
+        where, _, split = rest.rpartition(":")
+        parts = where.split("/")
+        config = f" --hub-config {'/'.join(parts[2:])}" if len(parts) > 2 else ""
+        text = f"--hub {'/'.join(parts[:2])}{config} --split {split}"
+        out = f"data/{parts[-1]}-transformed"
+    else:  # token files from elsewhere (datatrove, Megatron): their text is not recorded
+        text, out = "--files <the text they were made from>", "data/transformed"
+    pure = [t.name for t in transforms.transforms if not t.stateful]
+    command = f"{PREPARE_COMMAND} {text} --tokenizer {tokenizer}"
+    command += "".join(f" --transform {name}" for name in pure) + f" --out {out}"
+    if transforms.stateful:  # prepare_data applies pure functions only
+        command += (
+            f" (the stateful {', '.join(transforms.stateful)} cannot run there: deduplicate with --dedup exact or "
+            "--dedup minhash)"
+        )
+    return command

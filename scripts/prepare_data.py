@@ -5,12 +5,17 @@
         --separator blank_lines --tokenizer gpt2 --out data/books-tok
     python scripts/prepare_data.py --executor slurm --partition cpu --tasks 512 --hub HuggingFaceFW/fineweb-edu \\
         --hub-config sample-10BT --tokenizer gpt2 --out /shared/fineweb-tok
+    python scripts/prepare_data.py --files 'corpus/*.jsonl' --dedup exact --transform my_filters.py:keep_long \\
+        --tokenizer gpt2 --out data/corpus-dedup-tok
     # then, in the config:  data.train: [{files: [data/corpus-tok]}]
 
 Writes a folder of flat token arrays (uint16/uint32) and document indexes with a tokens.json header
 (layout in docs/data.md); the folder appears only when complete, and the same bytes for any --tasks.
-Every document is framed [BOS] ids EOS as the run will read it (--add-bos: as data.add_bos). Run the
-same command again after an interruption: the tasks already done are skipped.
+Every document is framed [BOS] ids EOS as the run will read it (--add-bos: as data.add_bos). --transform
+applies data.transforms (pure functions) first and records them in the header; --dedup runs datatrove's
+exact or minhash deduplication over the whole source before tokenizing and says how many documents it
+removed (docs/data.md: offline dedup or a filter on the fly). Run the same command again after an
+interruption: the tasks already done are skipped.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 import time
 
 from lmpretrain.data import SourceSpec
-from lmpretrain.data.prepare import EXECUTORS, plan_prepare, run_prepare
+from lmpretrain.data.prepare import DEDUP_METHODS, EXECUTORS, plan_prepare, run_prepare
 from lmpretrain.data.tokenizer import load_tokenizer
 from lmpretrain.data.transforms import load_transforms
 from lmpretrain.errors import UserError
@@ -70,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="MODULE:FUNCTION",
         help="a data transform applied to each document before tokenizing, as data.transforms (repeatable)",
     )
+    parser.add_argument(
+        "--dedup",
+        choices=DEDUP_METHODS,
+        help="remove duplicate documents first with datatrove: exact (same text, the first copy kept) or "
+        "minhash (near-duplicates, 5-word shingles)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.executor == "slurm" and not args.partition:
@@ -101,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             tasks=args.tasks,
             transforms=load_transforms(args.transform),
+            dedup=args.dedup,
         )
         print(f"[lmpretrain] prepare: {prep.summary}; {args.tasks} {args.executor} tasks into {prep.out}")
         header = run_prepare(prep, args.executor, args.tasks, args.workers, **cluster)
@@ -116,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{header['skipped']:,} bad records skipped (tokenizer {header['tokenizer_hash']}, add_bos "
         f"{header['add_bos']})"
     )
+    if header.get("filtered"):
+        print(f"--transform dropped {header['filtered']:,} documents")
+    if "dedup" in header:
+        d = header["dedup"]
+        print(f"--dedup {d['method']} removed {d['removed']:,} of {d['documents']:,} documents")
     print(f"use it as a source: {{files: [{args.out}]}}")
     return 0
 

@@ -29,13 +29,14 @@ def announce(message: str) -> None:
         print(f"[lmpretrain] {message}", file=sys.stderr, flush=True)
 
 
-def bar(*, desc: str, unit: str, total: int | None = None, enabled: bool = True) -> tqdm:
-    """A tqdm bar that draws only when `enabled` and `bars_enabled()`; always safe to update and close."""
+def bar(*, desc: str, unit: str, total: int | None = None, enabled: bool = True, scale: bool = True) -> tqdm:
+    """A tqdm bar that draws only when `enabled` and `bars_enabled()`; always safe to update and close.
+    `scale`: counts in k/M (tokens, files), not for a few dozen shards."""
     return tqdm(
         total=total,
         desc=desc,
         unit=unit,
-        unit_scale=True,
+        unit_scale=scale,
         dynamic_ncols=True,
         mininterval=0.5,
         disable=not (enabled and bars_enabled()),

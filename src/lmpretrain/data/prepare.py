@@ -138,9 +138,9 @@ class PieceOrder:
         return max(1, MAX_PRIORITY - n)
 
 
-def dedup_content(doc: Document) -> str:
-    """What exact dedup compares: the text (a stand-in's unique id: stand-ins are never duplicates)."""
-    return doc.text if usable(doc) else f"\0{doc.id}"
+def dedup_content(doc: Document) -> bytes:
+    """What exact dedup hashes: the text (a stand-in's unique id: stand-ins are never duplicates)."""
+    return (doc.text if usable(doc) else f"\0{doc.id}").encode()
 
 
 class SplitWords(WordTokenizer):
@@ -476,10 +476,13 @@ def _dedup_stages(method: str, folder: Path, reader, writer, counts: str, files)
             ),
             Stage("tokenize", [reader, dedup.ExactDedupFilter(str(folder / "dups"), config), writer]),
         ]
-    config = dedup.MinhashConfig()
-    signature = dedup.MinhashDedupSignature(str(folder / "sigs"), config, language=SplitWords())
-    buckets = dedup.MinhashDedupBuckets(str(folder / "sigs"), str(folder / "buckets"), config)
-    cluster = dedup.MinhashDedupCluster(str(folder / "buckets"), str(folder / "remove"), config)
+    from datatrove.utils.hashing import HashConfig
+
+    # sha1: datatrove's minhash hashes its shingles as str, which xxhash 4 refuses ("must be encoded")
+    config = dedup.MinhashConfig(hash_config=HashConfig(precision=64, hash_fc="sha1"))
+    signature = dedup.MinhashDedupSignature(str(folder / "sigs"), config=config, language=SplitWords())
+    buckets = dedup.MinhashDedupBuckets(str(folder / "sigs"), str(folder / "buckets"), config=config)
+    cluster = dedup.MinhashDedupCluster(str(folder / "buckets"), str(folder / "remove"), config=config)
     return [
         Stage("dedup signatures", [reader, count, signature]),
         Stage("dedup buckets", [buckets], config.num_buckets),  # one task per bucket
@@ -534,6 +537,9 @@ def run_prepare(
     if executor == "local":
         with _quiet_datatrove():
             for stage, run in zip(prep.stages, executors, strict=True):
+                if stage is prep.stages[-1]:  # the header: a moment, no bar
+                    run.run()
+                    continue
                 with _stage_bar(prep, stage, run):
                     run.run()
     else:
@@ -571,7 +577,8 @@ def _stage_bar(prep: Prepare, stage: Stage, run):
 
     tokenize = stage.name == "tokenize"
     total = prep.pieces if tokenize else run.world_size
-    shown = bar(desc=f"{prep.out.name}: {stage.name}", unit="shard" if tokenize else "task", total=total)
+    unit = "shard" if tokenize else "task"
+    shown = bar(desc=f"{prep.out.name}: {stage.name}", unit=unit, total=total, scale=False)
     done = threading.Event()
 
     def count() -> int:

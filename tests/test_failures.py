@@ -70,6 +70,7 @@ def test_config_error_through_the_launcher_ends_on_the_message(tmp_path):
     assert_ends_on(run, "1 problem(s) in ")
     assert run.output.rstrip().endswith("unknown key 'train.max_step'; did you mean 'max_steps'?")
     assert not (tmp_path / "bad").exists()
+    assert "num_cpu_threads_per_process" not in run.output  # cpu.yaml states the threads: no warning
 
 
 def test_missing_tokenizer_folder_ends_on_the_message(tmp_path):
@@ -128,4 +129,5 @@ def test_a_missing_data_file_fails_on_two_processes_before_the_model_is_built(tm
     run = via_launcher(tmp_path / "run", f"--data.train=[{{files: [{missing}]}}]", launch="cpu-ddp")
     before = assert_ends_on(run, f"data file or glob {str(missing)!r} matches nothing")
     assert not any("parameters; optimizer groups" in line for line in before)  # no model was built
+    assert not any("failed (exitcode" in line for line in before)  # torch elastic's line is held back
     assert not (tmp_path / "run" / "checkpoints").exists()

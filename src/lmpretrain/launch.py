@@ -7,13 +7,16 @@ the recipe hands its message over through torch elastic's error file (TORCHELAST
 torch elastic sets for each rank, and this launcher for a single process) instead of printing it, and
 this launcher prints the first failed rank's message last. So does accelerate's refusal of a coordinator
 port another process holds (`main_process_port` on machine 0 of several; one machine takes a free port
-instead, with a warning). Any other failure keeps accelerate's traceback. Under plain `accelerate launch`
-with several processes the message shows in torch elastic's summary, as that rank's "traceback".
+instead, with a warning). torch elastic's own `failed (exitcode: 2) ...` log line for that rank is held
+back, and shown only when the failure turns out not to be a user error. Any other failure keeps
+accelerate's traceback. Under plain `accelerate launch` with several processes the message shows in torch
+elastic's summary, as that rank's "traceback".
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -55,12 +58,39 @@ def _read_message(path: str) -> str | None:
     return message if isinstance(message, str) and message.startswith("error: ") else None
 
 
+class _HeldFailureLines(logging.Filter):
+    """Holds torch elastic's `failed (exitcode: 2) local_rank: ...` log line: above a rank's user error it would
+    be the last thing on screen but one; `release()` shows it when the failure is something else."""
+
+    LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+        logging.getLogger(self.LOGGER).addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        user_error = isinstance(record.args, tuple) and record.args[:1] == (UserError.exit_code,)
+        if str(record.msg).startswith("failed (exitcode") and user_error:
+            self.held.append(record)
+            return False
+        return True
+
+    def release(self) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        logger.removeFilter(self)
+        for record in self.held:
+            logger.handle(record)
+        self.held = []
+
+
 def main(argv: list[str] | None = None) -> None:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(argv)
     code = UserError.exit_code
+    failure_lines = _HeldFailureLines()
     with tempfile.TemporaryDirectory(prefix="lmpretrain-launch-") as tmp:
         # A single process is started by accelerate's simple launcher, which sets no error file;
         # torch elastic replaces this one with its own per rank.
@@ -68,18 +98,24 @@ def main(argv: list[str] | None = None) -> None:
         os.environ[ERROR_FILE_ENV] = error_file
         try:
             launch_command(args)
+            failure_lines.release()
             return
         except ConnectionError as err:  # the first machine's coordinator port is taken (several machines)
             message = f"error: {err}"
         except (subprocess.CalledProcessError, SystemExit):  # one process (SystemExit: with --quiet)
             message = _read_message(error_file)
             if message is None:
+                failure_lines.release()
                 raise
         except ChildFailedError as err:
             _, failure = err.get_first_failure()
             message = failure.message if failure.exitcode == code else None
             if not isinstance(message, str) or not message.startswith("error: "):
+                failure_lines.release()
                 raise
+        except BaseException:
+            failure_lines.release()
+            raise
     print(message, file=sys.stderr, flush=True)
     sys.exit(code)
 

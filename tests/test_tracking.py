@@ -478,5 +478,7 @@ def test_format_log_line_shows_only_present_keys():
         "| 2.5M tokens"
     )
     assert format_log_line(5, {"eval/loss": 2.0, "eval/ppl": 7.389}) == "step 5 | eval loss 2.0000 ppl 7.39"
+    with_se = {"eval/loss": 2.0, "eval/loss_se": 0.0123, "eval/ppl": 7.389}
+    assert format_log_line(5, with_se) == "step 5 | eval loss 2.0000 ± 0.0123 ppl 7.39"
     with_ema = {"eval/loss": 2.0, "eval/ema/loss": 1.9, "eval/ema/bpb": 1.0}  # train.ema_decay
     assert format_log_line(5, with_ema) == "step 5 | eval loss 2.0000 (ema 1.9000)"

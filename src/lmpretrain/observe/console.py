@@ -113,6 +113,7 @@ def format_log_line(
     if "eval/loss" in m:
         parts.append(
             f"eval loss {m['eval/loss']:.4f}"
+            + (f" ± {m['eval/loss_se']:.4f}" if "eval/loss_se" in m else "")  # the held-out set's noise
             + (f" (ema {m['eval/ema/loss']:.4f})" if "eval/ema/loss" in m else "")
             + (f" ppl {m['eval/ppl']:.2f}" if "eval/ppl" in m else "")
         )

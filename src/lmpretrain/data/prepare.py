@@ -24,7 +24,8 @@ one executor each); the header records the documents it removed. Exact dedup kee
 order (datatrove's document priority: the earlier piece), so the bytes stay the same for any --tasks.
 
 On this machine (the local executor) datatrove's log lines are silenced and a progress bar shows each
-stage; its logs stay in the work folder while it exists.
+stage; its logs stay in the work folder while it exists. (The dedup stages that find duplicates still draw
+datatrove's own short bars, "Initializing pq", "Reading dup files".)
 """
 
 from __future__ import annotations
@@ -553,20 +554,14 @@ def run_prepare(
 @contextmanager
 def _quiet_datatrove():
     """datatrove logs each task's start, pipeline and stats at INFO to the terminal (~40 lines for the
-    quickstart's corpus) and draws its own bars: both off while the stages run here (its task logs stay)."""
+    quickstart's corpus): off while the stages run here (its task logs in the work folder stay)."""
     from loguru import logger
 
-    before = os.environ.get("TQDM_DISABLE")
     logger.disable("datatrove")
-    os.environ["TQDM_DISABLE"] = "1"  # datatrove's own bars, in the tasks; ours says disable= itself
     try:
         yield
     finally:
         logger.enable("datatrove")
-        if before is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = before
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 """End to end: recipes/pretrain.py on the smoke config in real processes, judged by its artefacts."""
 
+import json
 import math
 import os
 import sys
@@ -125,6 +126,11 @@ def test_every_step_logs_the_documented_keys(smoke):
     eval_rows = [r for r in smoke.metrics() if "eval/loss" in r]
     assert [r["step"] for r in eval_rows] == [0, 10, 20]
     assert all(r["eval/ppl"] == pytest.approx(math.exp(r["eval/loss"])) for r in eval_rows)
+    # the held-out set's size and noise: 2 x 8 blocks of 63 targets, each block's loss recorded
+    assert all(r["eval/tokens"] == 1008 and 0 < r["eval/loss_se"] < 0.5 for r in eval_rows)
+    blocks = [json.loads(line) for line in (smoke.out / "eval_blocks.jsonl").read_text().splitlines()]
+    assert [b["step"] for b in blocks] == [0, 10, 20] and all(b["targets"] == [63] * 16 for b in blocks)
+    assert sum(blocks[-1]["loss"]) / 1008 == pytest.approx(eval_rows[-1]["eval/loss"], rel=1e-6)
     lrs = [r["train/lr"] for r in rows]
     assert lrs[3] == pytest.approx(3e-3) and lrs[-1] < lrs[4]  # warmup to the peak, then decay
 

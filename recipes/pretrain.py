@@ -192,8 +192,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
 
     # ---- Resume: weights, moments, and every state below (per rank: RNG, data position) ----------
     state, loop_rng = TrainState(), LoopRNG(cfg.run.seed + info.rank)  # replicas drop different units
-    # a collective that times out (run.collective_timeout_s) ends the run naming the rank that stopped
-    cleanup.enter_context(StallWatch(info.rank, W, lambda: state.step, cfg.run.collective_timeout_s))
+    # a rank that stops is named after run.stall_report_s, and when a collective times out (ending the run)
+    cleanup.enter_context(StallWatch.from_config(cfg.run, info.rank, W, lambda: state.step))
     states = {
         "train": state,
         "guard": guard,

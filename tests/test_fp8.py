@@ -1,6 +1,7 @@
 """train.fp8 on CPU: which layers of llama-1b (built on the meta device) would be float8, and the one
 message that refuses fp8 where it cannot run (no CUDA here) or without compile."""
 
+import math
 import tempfile
 import textwrap
 from pathlib import Path
@@ -10,7 +11,8 @@ import torch
 
 from lmpretrain.config import config_problems, load_config
 from lmpretrain.model.build import build_model, build_model_config
-from lmpretrain.model.fp8 import converted_modules, large_enough
+from lmpretrain.model.fp8 import after_each_step, converted_modules, large_enough
+from lmpretrain.model.precision import MixedPrecision
 from lmpretrain.model.speed import kernel_problems
 
 LLAMA_1B = str(Path(__file__).resolve().parents[1] / "configs" / "llama-1b.yaml")
@@ -107,6 +109,9 @@ PRECOMPUTE = textwrap.dedent("""
 
 @pytest.mark.slow  # 2 processes
 def test_fsdp2_float8_scales_are_precomputed_after_each_optimizer_step():
+    """Needs torchao (pip install -e .[gpu]): not in requirements.txt, since transformers imports it whenever
+    it is installed and, with a CPU torch, it prints warnings about its CUDA libraries at every start."""
+    pytest.importorskip("torchao")
     from recipe_runner import launch_ranks
 
     with tempfile.TemporaryDirectory() as folder:
@@ -119,3 +124,31 @@ def test_fsdp2_float8_scales_are_precomputed_after_each_optimizer_step():
         assert (
             "step 0: moved [True, True] match True" in out and "step 1: moved [True, True] match True" in out
         ), out
+
+
+def test_the_scale_precompute_runs_after_each_optimizer_step_that_ran():
+    """What precompute_fp8_scales hangs torchao's precompute on, with the recipe's update path: it sees the
+    updated weights, and runs after no skipped step (fp16's overflow, the guard's skip)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    seen = []
+    after_each_step(optimizer, lambda: seen.append(model.weight.detach().clone()))
+    precision = MixedPrecision("fp16", torch.device("cpu"), init_scale=1.0)
+
+    def step(skip=False, overflow=False):
+        with precision.autocast():
+            loss = model(torch.randn(2, 4)).float().square().sum() * (math.inf if overflow else 1)
+        precision.scale(loss).backward()
+        precision.unscale_(optimizer)
+        stepped = precision.step(optimizer, skip=skip)
+        optimizer.zero_grad()
+        return stepped
+
+    start = model.weight.detach().clone()
+    assert (
+        step() and len(seen) == 1 and torch.equal(seen[0], model.weight) and not torch.equal(seen[0], start)
+    )
+    assert not step(overflow=True) and len(seen) == 1  # GradScaler skipped the step: no precompute
+    assert not step(skip=True) and len(seen) == 1  # the guard skipped it
+    assert step() and len(seen) == 2 and torch.equal(seen[1], model.weight)

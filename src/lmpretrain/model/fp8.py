@@ -95,6 +95,13 @@ def convert_to_fp8(model: nn.Module, recipe: str, sharded: bool) -> str:
     return f"fp8: {recipe} scaling, {swapped} of {len(names)} chosen Linear layers are torchao Float8Linear{gather}"
 
 
+def after_each_step(optimizer, fn) -> None:
+    """Call fn() right after each optimizer step that runs: not after a skipped one (the update guard's
+    skip, or fp16's GradScaler finding inf gradients), which leaves the weights as they were."""
+    # accelerate's AcceleratedOptimizer steps the optimizer it wraps: the hook goes on that one
+    getattr(optimizer, "optimizer", optimizer).register_step_post_hook(lambda *_: fn())
+
+
 def precompute_fp8_scales(model: nn.Module, optimizer, recipe: str) -> list[str]:
     """Under FSDP2 with float8 all-gather: after each optimizer step that ran (a skipped step leaves the
     weights, so their scales, as they were), torchao's precompute_float8_dynamic_scale_for_fsdp. Call it
@@ -111,9 +118,7 @@ def precompute_fp8_scales(model: nn.Module, optimizer, recipe: str) -> list[str]
     ]
     if not gathered:
         return []
-    # accelerate's AcceleratedOptimizer steps the optimizer it wraps: the hook goes on that one
-    inner = getattr(optimizer, "optimizer", optimizer)
-    inner.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+    after_each_step(optimizer, lambda: precompute_float8_dynamic_scale_for_fsdp(model))
     return [
         f"fp8: the float8 scales of {len(gathered)} FSDP2-sharded weights are computed after each optimizer "
         "step, in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp)"

@@ -165,8 +165,8 @@ class DataConfig:
     token stream (a function of seed, source and epoch), so epochs see new block boundaries; false = every
     epoch cuts blocks at multiples of seq_len. Part of the resume fingerprint."""
     max_open_files: int = 64
-    """Token files: at most this many file descriptors per process (trainer and each worker), the least
-    recently used closed first, so a corpus of any number of shards fits `ulimit -n`."""
+    """Token files: at most this many file descriptors per process (trainer and each worker), over all
+    sources, the least recently used closed first, so a corpus of any number of shards fits `ulimit -n`."""
     transforms: list[str] = field(default_factory=list)
     """A fork's functions over each document's text, `module:function` or `path/to/file.py:function`, run in
     order: f(text, source label) returns the text to tokenize or None to drop the document (counted in

@@ -47,8 +47,9 @@ chown munge:munge /run/munge
 chown mysql:mysql /run/mysqld
 HOST=$(hostname -s)
 
-# What slurmd finds on this machine: CPUs, sockets, cores, threads, memory.
-NODE=$(slurmd -C | head -1)
+# What slurmd finds on this machine: CPUs, sockets, cores, threads, memory (awk reads all of it: head
+# would exit first, and the SIGPIPE to slurmd would fail this script under pipefail).
+NODE=$(slurmd -C | awk 'NR == 1')
 cat >"$CONF_DIR/slurm.conf" <<EOF
 # Written by scripts/slurm/local_cluster.sh: one node on localhost, everything as root.
 ClusterName=lmpretrain
@@ -91,7 +92,7 @@ LogFile=$LOG_DIR/slurmdbd.log
 EOF
 chmod 600 "$CONF_DIR/slurmdbd.conf"
 
-running() { pgrep -x "$1" >/dev/null; }
+running() { pgrep -x -r R,S,D "$1" >/dev/null; }  # not a zombie left by a daemon's fork
 wait_for() {  # wait_for WHAT SECONDS COMMAND...: until COMMAND succeeds
     local what=$1 seconds=$2
     shift 2

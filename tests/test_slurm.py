@@ -57,7 +57,12 @@ def sh(*cmd: str, check: bool = True) -> str:
     return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=60).stdout
 
 
+SACCT = ("sacct", "--duplicates", "--noheader", "--parsable2", "--format=JobID,State,ExitCode,TotalCPU")
+
+
 class Job:
+    """One job through real sbatch: the shipped script, this venv's python, LAUNCH_CONFIG `launch`."""
+
     def __init__(self, name: str, folder: Path, overrides: list[str], launch: str, recipe: str = ""):
         self.name, self.out, self.log = name, folder / name, folder / f"{name}.out"
         env = rr.env_for_runs(
@@ -93,9 +98,6 @@ class Job:
     def states(self) -> list[tuple[str, str]]:
         """(state, exit code) of each allocation, in order."""
         return [(state, code) for job, state, code, _ in self.accounting() if job == self.id]
-
-
-SACCT = ("sacct", "--duplicates", "--noheader", "--parsable2", "--format=JobID,State,ExitCode,TotalCPU")
 
 
 def cpu_seconds(total: str) -> float:
@@ -138,9 +140,8 @@ def jobs(tmp_path_factory):
             90,
             everyone,
         )
-        sh(
-            "scontrol", "update", f"JobId={requeued.id}", "TimeLimit=10"
-        )  # the next allocation runs to the end
+        # the next allocation runs to the end
+        sh("scontrol", "update", f"JobId={requeued.id}", "TimeLimit=10")
         wait("the jobs to end", lambda: not any(j.queued() for j in everyone), 600, everyone)
         # the accounting record of a job's end reaches slurmdbd shortly after the job leaves the queue
         wait(

@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC := $(shell nproc 2>/dev/null || echo 1)
 
-.PHONY: setup pretrain smoke test test-fast test-durations benchmark lint clean
+.PHONY: setup pretrain smoke test test-fast test-durations benchmark lint slurm-cluster clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,12 @@ benchmark: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# A real single-node SLURM on this machine (root; Debian's slurm-wlm, slurmdbd, munge and mariadb-server
+# packages): munged, slurmctld, slurmd and slurmdbd on localhost. The tests marked `slurm` run when its
+# sinfo answers and are skipped otherwise (LMPRETRAIN_REQUIRE_SLURM=1, set by .ci/run: they fail instead).
+slurm-cluster:
+	scripts/slurm/local_cluster.sh
 
 clean:
 	rm -rf runs .pytest_cache

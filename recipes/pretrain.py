@@ -40,6 +40,7 @@ from lmpretrain.model import (
     import_model_modules,
     make_labels,
     parameter_counts,
+    precompute_fp8_scales,
     prepare_model,
     weighted_sum,
 )
@@ -179,6 +180,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     # updates really applied), under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)
     say(runtime.describe_wrapping(model, accelerator))
+    say(*precompute_fp8_scales(model, optimizer, cfg.train.fp8))  # FSDP2's float8 all-gather: after each step
     ema = WeightAverage.from_config(cfg.train, accelerator.unwrap_model(model))  # sharded like the weights
     averages = {"ema": ema} if ema else {}
     if ema:
@@ -195,8 +197,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
 
     # ---- Resume: weights, moments, and every state below (per rank: RNG, data position) ----------
     state, loop_rng = TrainState(), LoopRNG(cfg.run.seed + info.rank)  # replicas drop different units
-    # a collective that times out (run.collective_timeout_s) ends the run naming the rank that stopped
-    cleanup.enter_context(StallWatch(info.rank, W, lambda: state.step, cfg.run.collective_timeout_s))
+    # a rank that stops is named after run.stall_report_s, and when a collective times out (ending the run)
+    cleanup.enter_context(StallWatch.from_config(cfg.run, info.rank, W, lambda: state.step))
     states = {
         "train": state,
         "guard": guard,

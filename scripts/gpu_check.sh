@@ -5,7 +5,7 @@
 #   speed, llama-1b shape (configs/llama-1b.yaml: bf16, chunked loss, fused AdamW, sdpa; micro-batch 8 x
 #   2048 tokens, no accumulation), tokens/s and MFU (medians after 5 warm-up steps), peak memory:
 #     eager         compile off
-#     compile       the shipped switches; its steps 21-23 are profiled: blocking device->host reads per step
+#     compile       the shipped switches; its steps 21-23 are profiled: blocking host<->device transfers per step
 #     liger         + train.loss_impl=liger        (skipped when liger-kernel is missing: pip install -e .[gpu])
 #     fp8           + train.fp8=tensorwise         (skipped when torchao is missing)
 #     fsdp2-1gpu    the compile run under FSDP2 on 1 GPU with the bf16 policy (param bf16, reduce fp32)
@@ -169,8 +169,10 @@ run_variant "${RUNS[1]}"
 "$PY" - "$OUT" <<'EOF' >"$OUT/syncs.txt" 2>&1 && record syncs ok "$(cat "$OUT/syncs.txt")" || record syncs FAILED "$(tail -1 "$OUT/syncs.txt")"
 import json, statistics, sys
 data = json.load(open(f"{sys.argv[1]}/compile/profile/syncs-rank0-steps21-23.json"))
-where = ", ".join(f"{k.rsplit('/', 1)[-1]} x{v}" for k, v in list(data["where"].items())[:4])
-print(f"{statistics.median(data['per_step'].values()):g} blocking device->host reads per step (goal 1); {where}")
+probe, cuda = (statistics.median(data[k].values()) for k in ("per_step", "cuda_syncs_per_step"))
+where = ", ".join(f"{k.rsplit('/', 1)[-1]} x{v}" for k, v in list(data["cuda_syncs_where"].items())[:4])
+print(f"{probe:g} blocking host<->device transfers per step (the probe tests/test_profiler.py asserts on CPU), "
+      f"{cuda:g} CUDA synchronizations (torch's count); goal 1 each; {where}")
 EOF
 if has liger_kernel; then run_variant "${RUNS[2]}"; else record liger skipped "liger-kernel not installed (pip install -e .[gpu])"; fi
 if has torchao; then run_variant "${RUNS[3]}"; else record fp8 skipped "torchao not installed (pip install -e .[gpu])"; fi

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -207,6 +209,36 @@ def pytest_fixture_setup(fixturedef, request):
         yield
     finally:
         lock.downgrade()
+
+
+# ---- tests marked slurm: a real SLURM (make slurm-cluster) ----------------------------------------------
+
+
+@functools.cache
+def slurm_problem() -> str | None:
+    """Why no SLURM job can run here (None: sinfo answers and a node is up)."""
+    try:
+        out = subprocess.run(
+            ["sinfo", "--noheader", "--format=%T"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"sinfo does not answer ({err})"
+    if out.returncode != 0:
+        return f"sinfo does not answer ({out.stderr.strip()[-300:]})"
+    if not {"idle", "mixed", "allocated", "completing"} & set(out.stdout.split()):
+        return f"no SLURM node is up (sinfo: {out.stdout.split()})"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures submit anything
+def pytest_runtest_setup(item):
+    import os
+
+    if item.get_closest_marker("slurm") and (problem := slurm_problem()):
+        message = f"{problem}: make slurm-cluster starts a single-node SLURM here"
+        if os.environ.get("LMPRETRAIN_REQUIRE_SLURM") == "1":  # CI (.ci/run): a skip must not hide it
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
 
 
 # ---- longest files first (make test: --dist loadfile --no-loadscope-reorder) ----------------------------------

@@ -244,8 +244,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# CPU seconds of every forked run so far (not this process's children: the fork server's), for the CPU log.
+# CPU seconds of every forked run so far (not this process's children: the fork server's), for the CPU log;
+# also SLURM jobs' (count_cpu_s).
 FORKED_CPU_S = 0.0
+
+
+def count_cpu_s(seconds: float) -> None:
+    """Count CPU time spent for a test outside this process's children (a SLURM job's) in the CPU log."""
+    global FORKED_CPU_S
+    FORKED_CPU_S += seconds
+
+
 _SERVER: ForkServer | None = None
 
 

@@ -217,7 +217,8 @@ def test_the_launcher_kills_ranks_its_grace_period_after_forwarding_sigterm(tmp_
     try:
         ready, deadline = 0, time.monotonic() + 120
         while ready < 2 and time.monotonic() < deadline and proc.poll() is None:
-            ready += " ready" in proc.stdout.readline()
+            # two ranks' unbuffered prints can share a line ("rank 0 readyrank 1 ready"): count, not test
+            ready += proc.stdout.readline().count(" ready")
         assert ready == 2, "the ranks did not start"
         ranks = psutil.Process(proc.pid).children(recursive=True)
         started = time.monotonic()
@@ -230,6 +231,52 @@ def test_the_launcher_kills_ranks_its_grace_period_after_forwarding_sigterm(tmp_
     assert 3 <= elapsed < 10, elapsed  # then killed after the grace period, not before
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
     assert proc.returncode != 0
+
+
+# A rank whose save on SIGTERM takes a second, as the recipe's does (one write per line: the ranks share
+# the launcher's stdout, unbuffered).
+SAVING_RANK = textwrap.dedent("""
+    import os, signal, sys, time
+    def save(*_):
+        time.sleep(1)
+        os.write(1, f"rank {os.environ.get('RANK', '0')} saved\\n".encode())
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, save)
+    os.write(1, b"ready\\n")
+    while True:
+        time.sleep(0.05)
+""")
+
+
+@pytest.mark.parametrize(("launch", "ranks", "code"), [("cpu", 1, 0), ("cpu-ddp", 2, 128 + signal.SIGTERM)])
+def test_sigterm_to_python_m_lmpretrain_launch_ends_it_after_its_ranks_saved(tmp_path, launch, ranks, code):
+    """A scheduler signals a job step's processes and ends the step when its first one exits. accelerate's
+    one-process launcher has no handler and died at once; this launcher passes the signal on and waits
+    (exit 0, the child's). Torch elastic's agent waits for its ranks, then raises: one line, exit 143."""
+    import recipe_runner as rr
+
+    script = tmp_path / "saving.py"
+    script.write_text(SAVING_RANK)
+    cmd = [*rr.LAUNCHER, "--config_file", str(rr.ROOT / f"configs/accelerate/{launch}.yaml")]
+    cmd += ["--main_process_port", str(rr.free_port()), str(script)]
+    proc = subprocess.Popen(
+        cmd, env=rr.env_for_runs(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        ready, deadline = 0, time.monotonic() + 120
+        while ready < ranks and time.monotonic() < deadline and proc.poll() is None:
+            ready += proc.stdout.readline().strip() == "ready"
+        assert ready == ranks, "the ranks did not start"
+        proc.send_signal(signal.SIGTERM)  # the launcher only: it must pass the signal on
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == code, out
+    assert sorted(line for line in out.splitlines() if line.endswith(" saved")) == [
+        f"rank {r} saved" for r in range(ranks)
+    ]
+    assert ("the launcher stopped on SIGTERM after passing it to its ranks" in out) == (ranks > 1)
+    assert "Traceback" not in out
 
 
 def test_grace_reads_torch_elastic_shutdown_timeout(monkeypatch):

@@ -17,7 +17,8 @@ def events(path) -> list[dict]:
 def train_steps(profiler: StepProfiler, steps: int) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
-    optimizer = torch.optim.AdamW(model.parameters())
+    # fused, as the recipe's: the foreach path reads its step counter (a host tensor on a GPU) with item()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     for n in range(1, steps + 1):
         profiler.step(n)
         model(torch.randn(4, 8)).square().sum().backward()
@@ -30,12 +31,20 @@ def test_the_trace_holds_the_window_steps_and_their_ops(tmp_path):
     with StepProfiler([2, 3], tmp_path / "profile", torch.device("cpu"), rank=0, say=said.append) as profiler:
         train_steps(profiler, 5)
     trace = tmp_path / "profile" / "trace-rank0-steps2-3.json"
-    assert said == [f"profile of steps 2-3: {trace}"]
+    assert said == [
+        "blocking host<->device transfers per step {2: 0, 3: 0}; where: {}",
+        f"profile of steps 2-3: {trace}, {tmp_path / 'profile' / 'syncs-rank0-steps2-3.json'}",
+    ]
     names = [e["name"] for e in events(trace)]
     assert [n for n in names if n.startswith("train step")] == ["train step 2", "train step 3"]
     assert names.count("aten::addmm") == 2  # one forward per step
     assert sum(n.startswith("Optimizer.step#AdamW") for n in names) == 2
-    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == [trace.name]  # no CUDA snapshot on CPU
+    syncs = tmp_path / "profile" / "syncs-rank0-steps2-3.json"
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == [
+        syncs.name,
+        trace.name,
+    ]  # no CUDA snapshot
+    assert json.loads(syncs.read_text()) == {"per_step": {"2": 0, "3": 0}, "where": {}}  # nothing read back
 
 
 def test_a_window_past_the_last_step_is_written_when_the_run_ends(tmp_path):
@@ -67,6 +76,17 @@ def test_the_recipe_profiles_the_steps_it_is_asked_to(tmp_path):
     ):
         assert op in names, op
     assert sum(n.startswith("Optimizer.step#AdamW") for n in names) == 2
+    # Blocking transfers between host and device, by the probe the GPU check reads (scripts/gpu_check.sh):
+    # the step's one readout, plus, in eager mode, transformers' check for packed sequences in the
+    # position ids, once per micro-batch (masking_utils.find_packed_sequence_indices; skipped when compiled).
+    syncs = json.loads((tmp_path / "run" / "profile" / "syncs-rank0-steps2-3.json").read_text())
+    readout = [w for w in syncs["where"] if "/lmpretrain/run/step_readout.py:" in w]
+    assert len(readout) == 1 and syncs["where"][readout[0]] == 2, syncs  # once per step
+    others = {w: n for w, n in syncs["where"].items() if w not in readout}
+    assert all("/transformers/masking_utils.py:" in w for w in others) and sum(others.values()) == 2 * 2, (
+        syncs
+    )
+    assert syncs["per_step"] == {"2": 3, "3": 3}
 
 
 def test_profile_steps_must_be_a_window():

@@ -68,10 +68,20 @@ def test_a_rank_killed_is_restarted_and_ends_as_the_straight_run(tmp_path, strai
 
 
 def test_a_stopped_rank_ends_the_collective_named_and_the_job_restarts(tmp_path, straight):
-    stopped = interrupted_run(tmp_path / "run", 6, signal.SIGSTOP, "--run.collective_timeout_s=20")
+    # the watch names it first, at 8 s, on its own (all NCCL would show); the collective's timeout at 20 s
+    overrides = ("--run.collective_timeout_s=20", "--run.stall_report_s=8")
+    stopped = interrupted_run(tmp_path / "run", 6, signal.SIGSTOP, *overrides)
     assert stopped.returncode == 0, stopped.output[-4000:]
-    errors = [line for line in stopped.output.splitlines() if line.startswith("error: ")]
+    lines = stopped.output.splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("error: ")]
     assert len(errors) == 1, stopped.output[-4000:]
+    named = [
+        i
+        for i, line in enumerate(lines)
+        if "rank(s) 1 (stopped during step" in line and "no longer beat" in line
+    ]
+    assert len(named) == 1 and named[0] < errors[0], stopped.output[-4000:]
+    errors = [lines[errors[0]]]
     assert errors[0].startswith(
         "error: rank 0 waited run.collective_timeout_s=20 s in a collective during step"
     )

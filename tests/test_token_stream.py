@@ -18,7 +18,7 @@ from data_helpers import by_stream, make, steps, write_token_folder
 
 import recipe_runner as rr
 from lmpretrain.data import SourceSpec, merge_data_states
-from lmpretrain.data.token_files import TokenFiles
+from lmpretrain.data.token_files import TokenFiles, open_token_files
 
 SEQ = 16
 
@@ -132,21 +132,31 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_descriptors_stay_within_max_open_files(tmp_path, small_tokenizer):
+def test_descriptors_stay_within_max_open_files_over_every_source(tmp_path, small_tokenizer):
     rng = np.random.default_rng(3)
     folder = tmp_path / "tok"
     stream = write_token_folder(folder, [[int(x)] for x in rng.integers(5, 60, 2000)], small_tokenizer)
+    other = write_token_folder(
+        tmp_path / "tok2", [[int(x)] for x in rng.integers(5, 60, 500)], small_tokenizer
+    )
     before = open_fds()
     files = TokenFiles([str(folder)], max_open_files=8)
     blocks = files.read_blocks(np.arange(0, len(stream) - SEQ, 7), SEQ)
     assert files.open_files() == 8 and open_fds() - before == 8
     at = (np.arange(0, len(stream) - SEQ, 7)[:, None] + np.arange(SEQ)) % len(stream)
     assert np.array_equal(blocks, stream[at])  # reads across shards, descriptors closed and reopened
+    # A second source in the same process shares the 8 (each source had 8 of its own before).
+    second = TokenFiles([str(tmp_path / "tok2")], max_open_files=8)
+    assert np.array_equal(second.read_blocks(np.arange(0, len(other) - SEQ, 5), SEQ)[0], other[:SEQ])
+    assert (
+        open_token_files() == 8 and open_fds() - before == 8 and second.open_files() + files.open_files() == 8
+    )
     docs = [u.value for piece in files.pieces(4) for u in files.units(piece, None)]
-    assert files.open_files() == 8 and len(docs) == 2000
+    assert files.open_files() == 8 and second.open_files() == 0 and len(docs) == 2000
     assert np.array_equal(np.concatenate([[0, *d, 1] for d in docs]), stream)  # documents from the index
     files.close()
-    assert open_fds() == before
+    second.close()
+    assert open_fds() == before and open_token_files() == 0
 
 
 def test_a_global_shuffle_fingerprint_names_its_epoch_offset(uneven, small_tokenizer):

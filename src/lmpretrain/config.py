@@ -89,6 +89,10 @@ class RunConfig:
     collective_timeout_s: float = 1800.0
     """Seconds a collective waits for every rank: a rank that stops (hung, stopped, its node gone) makes
     the others fail after this long, naming it, instead of waiting forever (docs/cluster.md)."""
+    stall_report_s: float = 60.0
+    """A rank whose step has not moved for this long names the ranks that stopped (no heartbeat) or are
+    stuck at an earlier step, once, well before the collectives time out (NCCL's watchdog aborts without
+    naming anyone); less than collective_timeout_s."""
     straggler_factor: float | None = 2.0
     """Warn (rank 0's log, at most once per 100 steps) naming a rank whose batch load takes more than this
     many times the other ranks' median, over the last 8 steps; the others wait for it every step.
@@ -161,8 +165,8 @@ class DataConfig:
     token stream (a function of seed, source and epoch), so epochs see new block boundaries; false = every
     epoch cuts blocks at multiples of seq_len. Part of the resume fingerprint."""
     max_open_files: int = 64
-    """Token files: at most this many file descriptors per process (trainer and each worker), the least
-    recently used closed first, so a corpus of any number of shards fits `ulimit -n`."""
+    """Token files: at most this many file descriptors per process (trainer and each worker), over all
+    sources, the least recently used closed first, so a corpus of any number of shards fits `ulimit -n`."""
     transforms: list[str] = field(default_factory=list)
     """A fork's functions over each document's text, `module:function` or `path/to/file.py:function`, run in
     order: f(text, source label) returns the text to tokenize or None to drop the document (counted in
@@ -727,6 +731,11 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append("train.max_rollbacks must be >= 0")
     if not cfg.run.collective_timeout_s > 0:
         p.append("run.collective_timeout_s must be > 0")
+    if not 0 < cfg.run.stall_report_s < cfg.run.collective_timeout_s:
+        p.append(
+            f"run.stall_report_s={cfg.run.stall_report_s:g} must be > 0 and less than "
+            f"run.collective_timeout_s={cfg.run.collective_timeout_s:g}: it names a stopped rank before they end the run"
+        )
     if cfg.run.straggler_factor and not cfg.run.straggler_factor > 1:
         p.append("run.straggler_factor must be > 1 (how many times slower than the others), or null/0 (off)")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):

@@ -15,13 +15,17 @@ elastic's summary, as that rank's "traceback".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+
+import psutil
 
 from lmpretrain.errors import UserError
 
@@ -84,13 +88,23 @@ class _HeldFailureLines(logging.Filter):
         self.held = []
 
 
+def _pass_on(signum, frame) -> None:
+    """SIGTERM to the launcher: to its child processes (the ranks) as well, and the launcher waits on."""
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            child.send_signal(signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(argv)
     code = UserError.exit_code
     failure_lines = _HeldFailureLines()
+    # Torch elastic's agent installs its own handler when it starts the ranks (it passes SIGTERM on too).
+    signal.signal(signal.SIGTERM, _pass_on)
     with tempfile.TemporaryDirectory(prefix="lmpretrain-launch-") as tmp:
         # A single process is started by accelerate's simple launcher, which sets no error file;
         # torch elastic replaces this one with its own per rank.
@@ -107,6 +121,14 @@ def main(argv: list[str] | None = None) -> None:
             if message is None:
                 failure_lines.release()
                 raise
+        except SignalException as err:  # torch elastic's agent, signalled: its ranks had their grace to save
+            print(
+                f"[lmpretrain] the launcher stopped on {err.sigval.name} after passing it to its ranks (they "
+                "save after their step; the last complete checkpoint is intact either way)",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(128 + err.sigval)
         except ChildFailedError as err:
             _, failure = err.get_first_failure()
             message = failure.message if failure.exitcode == code else None

@@ -1,5 +1,7 @@
 """The recipe with one rank made a straggler: rank $SLOW_RANK waits $SLOW_RANK_S seconds before each of
-its batches, a real delay in its data loading (a slow filesystem on one node), for the watchdog's test."""
+its batches, a real delay in its data loading (a slow filesystem on one node), for the watchdog's test;
+and a run slow enough for SLURM's time-limit signal to land mid-run (tests/test_slurm.py), where only a
+job's first allocation is slow (a requeued job has SLURM_RESTART_COUNT > 0)."""
 
 import os
 import sys
@@ -12,7 +14,8 @@ import pretrain  # noqa: E402
 
 from lmpretrain.data import TrainStream  # noqa: E402
 
-if os.environ.get("RANK") == os.environ["SLOW_RANK"]:
+first_allocation = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+if os.environ.get("RANK", "0") == os.environ["SLOW_RANK"] and first_allocation:
     delay, steps = float(os.environ["SLOW_RANK_S"]), TrainStream._steps
 
     def slow_steps(self, items):

@@ -13,7 +13,8 @@ A token-file folder (layout version 1) holds
 lists their shards). A source's shards, back to back, are **one logical stream** of tokens: the global
 shuffle cuts blocks from it anywhere (a block may span shards). Both arrays are read with `os.pread`, not
 a map, so the pages a run touches never count in its resident memory, whatever the corpus size; at most
-`max_open_files` descriptors are open per process (the least recently used is closed), and document
+`max_open_files` descriptors are open per process, whatever the number of sources (they share one pool; the
+least recently used is closed), and document
 bounds are read from the index files when needed, never cached whole. They are written by
 data/prepare.py (scripts/prepare_data.py), the header last, so an interrupted prepare leaves nothing that
 looks like token files.
@@ -46,9 +47,42 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
+class _Descriptors:
+    """This process's token-file descriptors, shared by every TokenFiles (each source, training and held-out):
+    at most `limit` open in all, the least recently used closed first. pread takes its own offset, so one
+    descriptor serves every reader of a file, and a forked DataLoader worker can use what it inherits."""
+
+    def __init__(self):
+        self.open: OrderedDict[str, int] = OrderedDict()
+
+    def get(self, path: str, limit: int) -> int:
+        fd = self.open.get(path)
+        if fd is not None:
+            self.open.move_to_end(path)
+            return fd
+        while len(self.open) >= limit:
+            os.close(self.open.popitem(last=False)[1])
+        fd = self.open[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def close(self, paths) -> None:
+        for path in paths:
+            fd = self.open.pop(path, None)
+            if fd is not None:
+                os.close(fd)
+
+
+_DESCRIPTORS = _Descriptors()
+
+
+def open_token_files() -> int:
+    """Token-file descriptors this process holds now, over every source (tests)."""
+    return len(_DESCRIPTORS.open)
+
+
 class TokenFiles:
     """The shards of one or more token layouts (sharing dtype and framing) as one logical token stream,
-    read by offset, with at most `max_open_files` descriptors open."""
+    read by offset; with every other TokenFiles of the process, at most `max_open_files` descriptors open."""
 
     def __init__(self, paths: list[str], max_open_files: int = MAX_OPEN_FILES):
         self.layouts: list[Layout] = [open_layout(os.path.expanduser(p)) for p in paths]
@@ -77,7 +111,7 @@ class TokenFiles:
             None  # ids must stay below it (set by check_tokenizer; checked on every read)
         )
         self.max_open_files = max(1, int(max_open_files))
-        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._paths: set[str] = set()  # the files this one has read (its descriptors live in _DESCRIPTORS)
 
     @property
     def tokens(self) -> int:
@@ -91,20 +125,14 @@ class TokenFiles:
         return [s.bin for s in self.shards]
 
     def _fd(self, path: str) -> int:
-        # pread takes its own offset, so one descriptor serves every read of a process; the least recently
-        # used is closed past max_open_files, so a corpus of any number of shards fits `ulimit -n`.
-        fd = self._fds.get(path)
-        if fd is not None:
-            self._fds.move_to_end(path)
-            return fd
-        while len(self._fds) >= self.max_open_files:
-            os.close(self._fds.popitem(last=False)[1])
-        fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        return fd
+        # the process's pool closes the least recently used past max_open_files, so a corpus of any number
+        # of shards and sources fits `ulimit -n`
+        self._paths.add(path)
+        return _DESCRIPTORS.get(path, self.max_open_files)
 
     def open_files(self) -> int:
         """Descriptors this process holds for the source now (tests)."""
-        return len(self._fds)
+        return sum(path in _DESCRIPTORS.open for path in self._paths)
 
     def _pread(self, path: str, offset: int, out: np.ndarray) -> np.ndarray:
         want = out.nbytes
@@ -209,12 +237,9 @@ class TokenFiles:
                 yield Unit(ids, True, True, True, [doc + 1])
 
     def close(self) -> None:
-        fds, self._fds = self._fds, OrderedDict()
-        for fd in fds.values():
-            os.close(fd)
-
-    def __getstate__(self):  # descriptors are per process
-        return {**self.__dict__, "_fds": OrderedDict()}
+        """Close this source's descriptors (another reader of the same files opens them again)."""
+        paths, self._paths = self._paths, set()
+        _DESCRIPTORS.close(paths)
 
     def __del__(self):
         try:

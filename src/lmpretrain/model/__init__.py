@@ -2,6 +2,7 @@
 mixed precision."""
 
 from lmpretrain.model.build import build_model, build_model_config, import_model_modules, parameter_counts
+from lmpretrain.model.fp8 import precompute_fp8_scales
 from lmpretrain.model.loss import IGNORE_INDEX, LossSums, count_targets, logits_loss_sums, make_labels
 from lmpretrain.model.objective import Forward, LMObjective, Term, weighted_sum
 from lmpretrain.model.precision import MixedPrecision
@@ -24,6 +25,7 @@ __all__ = [
     "logits_loss_sums",
     "make_labels",
     "parameter_counts",
+    "precompute_fp8_scales",
     "prepare_model",
     "weighted_sum",
 ]

@@ -6,7 +6,10 @@ cast to float8 (e4m3 forward, e5m2 backward) with dynamic scales, one per tensor
 optimizer state stay as they were (fp32 shards under FSDP2). Which layers: `converts` below. Float8 needs
 compute capability >= 8.9 (H100/H200, L4, RTX 4090) and pays off only compiled (the casts and scales fuse
 into the blocks' kernels), so train.compile=true is required. Under FSDP2, tensorwise also all-gathers the
-weights in float8 (torchao's enable_fsdp_float8_all_gather); rowwise gathers them in bf16.
+weights in float8 (torchao's enable_fsdp_float8_all_gather); rowwise gathers them in bf16. A float8
+all-gather needs each weight's scale, its amax over every rank: without `precompute_fp8_scales` each weight
+all-reduces its own in the next forward, one small collective per weight per step; with it, torchao
+computes all of them in one all-reduce right after each optimizer step (what torchtitan does).
 """
 
 from __future__ import annotations
@@ -90,3 +93,33 @@ def convert_to_fp8(model: nn.Module, recipe: str, sharded: bool) -> str:
     if sharded:
         gather = f"; FSDP2 all-gathers their weights in {'float8' if recipe == 'tensorwise' else 'bf16'}"
     return f"fp8: {recipe} scaling, {swapped} of {len(names)} chosen Linear layers are torchao Float8Linear{gather}"
+
+
+def after_each_step(optimizer, fn) -> None:
+    """Call fn() right after each optimizer step that runs: not after a skipped one (the update guard's
+    skip, or fp16's GradScaler finding inf gradients), which leaves the weights as they were."""
+    # accelerate's AcceleratedOptimizer steps the optimizer it wraps: the hook goes on that one
+    getattr(optimizer, "optimizer", optimizer).register_step_post_hook(lambda *_: fn())
+
+
+def precompute_fp8_scales(model: nn.Module, optimizer, recipe: str) -> list[str]:
+    """Under FSDP2 with float8 all-gather: after each optimizer step that ran (a skipped step leaves the
+    weights, so their scales, as they were), torchao's precompute_float8_dynamic_scale_for_fsdp. Call it
+    once the model is sharded; returns the line to log, or none when the weights are not gathered in float8."""
+    if recipe == "none":
+        return []
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    gathered = [
+        p
+        for p in model.parameters()
+        if isinstance(getattr(p, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)
+    ]
+    if not gathered:
+        return []
+    after_each_step(optimizer, lambda: precompute_float8_dynamic_scale_for_fsdp(model))
+    return [
+        f"fp8: the float8 scales of {len(gathered)} FSDP2-sharded weights are computed after each optimizer "
+        "step, in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp)"
+    ]

@@ -4,8 +4,10 @@ With train.profile_steps=[start, end], steps start..end run under torch.profiler
 `<output_dir>/profile/trace-rank<R>-steps<start>-<end>.json` (Chrome trace format: open it in Perfetto,
 https://ui.perfetto.dev, or chrome://tracing), each step a "train step N" range holding its ops; on CUDA
 also `memory-rank<R>-steps<start>-<end>.pickle`, the allocator's history over those steps (drag it onto
-https://pytorch.org/memory_viz), and `syncs-rank<R>-steps<start>-<end>.json`: the blocking device->host
-reads of each step and where they happen (torch.cuda.set_sync_debug_mode). On CUDA, whatever the setting, an out-of-memory error writes
+https://pytorch.org/memory_viz); on every device `syncs-rank<R>-steps<start>-<end>.json`: the blocking
+transfers between host and device of each step and the source lines that make them (observe/host_transfers.py;
+on CUDA beside torch's own count of synchronizing operations, torch.cuda.set_sync_debug_mode). On CUDA,
+whatever the setting, an out-of-memory error writes
 `oom-rank<R>.pickle` (the allocator's segments and blocks at that moment) before the error propagates.
 The loop calls `profiler.step(n)` once, before step n; leaving the `with` block ends an open window.
 """
@@ -19,7 +21,15 @@ from pathlib import Path
 
 import torch
 
+from lmpretrain.observe.host_transfers import HostTransfers
+
 HISTORY_ENTRIES = 100_000  # allocation events kept in a CUDA memory snapshot (torch's example value)
+
+
+def per_step_report(counts: dict[int, Counter]) -> dict:
+    """{"per_step": {step: total}, "where": {source line: total over the steps}, most first}."""
+    where = sum(counts.values(), Counter())
+    return {"per_step": {n: sum(c.values()) for n, c in counts.items()}, "where": dict(where.most_common())}
 
 
 class StepProfiler:
@@ -30,7 +40,9 @@ class StepProfiler:
         self._profile = None
         self._range = None
         self._step = None
-        self._syncs: dict[int, Counter] = {}
+        self._transfers: dict[int, Counter] = {}  # step -> source line -> blocking transfers (the probe's)
+        self._syncs: dict[int, Counter] = {}  # the same from torch's CUDA sync debug mode
+        self._probe = None
         self._warnings = None
 
     def __enter__(self) -> StepProfiler:
@@ -57,6 +69,7 @@ class StepProfiler:
         if self._profile is not None:
             self._step = n
             self._syncs[n] = Counter()
+            self._probe.counts = self._transfers[n] = Counter()
             self._range = torch.profiler.record_function(f"train step {n}")
             self._range.__enter__()
 
@@ -72,11 +85,14 @@ class StepProfiler:
             self._count_syncs()
         self._profile = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
         self._profile.__enter__()
+        self._probe = HostTransfers(self.device)
+        self._probe.__enter__()
 
     def _stop(self) -> None:
         if self._range is not None:
             self._range.__exit__(None, None, None)
             self._range = None
+        self._probe.__exit__(None, None, None)
         self._profile.__exit__(None, None, None)
         self.folder.mkdir(parents=True, exist_ok=True)
         trace = self._name("trace", "json")
@@ -87,7 +103,7 @@ class StepProfiler:
             written.append(self._name("memory", "pickle"))
             torch.cuda.memory._dump_snapshot(str(written[-1]))
             torch.cuda.memory._record_memory_history(enabled=None)
-            written.append(self._write_syncs())
+        written.append(self._write_syncs())
         self.say(f"profile of steps {self.window[0]}-{self.window[1]}: {', '.join(map(str, written))}")
 
     def _count_syncs(self) -> None:
@@ -107,13 +123,17 @@ class StepProfiler:
         torch.cuda.set_sync_debug_mode("warn")
 
     def _write_syncs(self) -> Path:
-        torch.cuda.set_sync_debug_mode("default")
-        self._warnings.__exit__(None, None, None)
-        per_step = {n: sum(c.values()) for n, c in self._syncs.items()}
-        where = sum(self._syncs.values(), Counter())
+        report = per_step_report(self._transfers)
+        line = f"blocking host<->device transfers per step {report['per_step']}; where: {dict(list(report['where'].items())[:5])}"
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(None, None, None)
+            cuda = per_step_report(self._syncs)
+            report |= {"cuda_syncs_per_step": cuda["per_step"], "cuda_syncs_where": cuda["where"]}
+            line += f"; torch's CUDA synchronizations per step {cuda['per_step']}"
         path = self._name("syncs", "json")
-        path.write_text(json.dumps({"per_step": per_step, "where": dict(where.most_common())}, indent=1))
-        self.say(f"blocking device->host reads per step {per_step}; where: {dict(where.most_common(5))}")
+        path.write_text(json.dumps(report, indent=1))
+        self.say(line)
         return path
 
     def _on_oom(self, device, alloc, device_alloc, device_free) -> None:

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import recipe_runner as rr
 from lmpretrain.config import OptimConfig, config_problems, load_config
 from lmpretrain.errors import ConfigError
+from lmpretrain.layout import Layout
 from lmpretrain.update import muon_problems, set_lr
 from lmpretrain.update.muon import MuonAdamW
 from lmpretrain.update.optim import apply_hyperparameters, build_optimizer, describe_groups
@@ -396,16 +397,13 @@ def test_bad_muon_settings_are_one_clear_problem():
 
 def test_deepspeed_and_fsdp1_are_refused_ddp_and_fsdp2_are_not():
     cfg = dataclasses.replace(OptimConfig(), name="muon")
-    (problem,) = muon_problems(cfg, "deepspeed-zero2")
+    zero2 = Layout("deepspeed", 2, zero_stage=2)
+    (problem,) = muon_problems(cfg, zero2)
     assert problem.startswith("optim.name=muon cannot run under deepspeed-zero2: it flattens the parameters")
-    assert muon_problems(cfg, "fsdp1")
-    for ok in (
-        "none",
-        "ddp (replicated)",
-        "fsdp2 (accelerate's FSDP2 over gloo, switched on by the recipe on cpu)",
-    ):
+    assert muon_problems(cfg, Layout("fsdp1", 2))
+    for ok in (Layout(), Layout("ddp", 2), Layout("fsdp2", 2), Layout("fsdp2", 4, replicas=2)):
         assert muon_problems(cfg, ok) == []
-    assert muon_problems(OptimConfig(), "deepspeed-zero2") == []  # AdamW runs there
+    assert muon_problems(OptimConfig(), zero2) == []  # AdamW runs there
 
 
 def test_a_model_without_blocks_is_refused():

@@ -14,14 +14,16 @@ import pytest
 import torch.distributed as dist
 
 from lmpretrain.config import load_config
+from lmpretrain.gpus import COMM_FRACTION
+from lmpretrain.layout import Layout
 from lmpretrain.model.build import build_model_config
 from lmpretrain.observe.flops import counted_flops_per_token
 from lmpretrain.plan.__main__ import main
 from lmpretrain.plan.hardware import load_gpu
-from lmpretrain.plan.launch import Launch, read_launch
+from lmpretrain.plan.launch import read_launch
 from lmpretrain.plan.planner import make_plan
 from lmpretrain.plan.preflight import verdict
-from lmpretrain.plan.roofline import COMM_FRACTION, step_time
+from lmpretrain.plan.roofline import step_time
 from lmpretrain.plan.simulate import Step, simulate
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -52,7 +54,7 @@ def test_bad_input_is_one_message_and_exit_2(args, message, capsys):
 def test_flops_equal_the_recipes_count():
     """Eager attention and the full loss: forward + backward are the FLOPs observe/flops.py counts."""
     cfg = _cfg("smoke.yaml", "--model.attn_implementation=eager")
-    step = simulate(cfg, build_model_config(cfg.model), Launch("none", 1, 1), cfg.train.micro_batch_size)
+    step = simulate(cfg, build_model_config(cfg.model), Layout(), cfg.train.micro_batch_size)
     tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
     expected = counted_flops_per_token(build_model_config(cfg.model), cfg.data.seq_len) * tokens
     assert step.flops["forward"] + step.flops["backward"] == expected
@@ -78,7 +80,7 @@ def test_fake_step_matches_the_real_step(config, checkpointing, one_thread):
     0.97 alone to 1.16 after other test files; paused, 161 / 144 MB = 1.12 in any order)."""
     cfg = _cfg(config, f"--train.activation_checkpointing={str(checkpointing).lower()}")
     model_config = build_model_config(cfg.model)
-    launch = Launch("none", 1, 1)
+    launch = Layout()
     gc.disable()
     try:
         fake = simulate(cfg, model_config, launch, cfg.train.micro_batch_size, fake=True)
@@ -142,7 +144,8 @@ def test_hsdp_collectives_are_timed_on_the_links_their_groups_span():
     comm = {"all_gather": 8e9, "reduce_scatter": 4e9, "all_reduce": 1e9, "muon": 3e9}
     step = Step(1, 2e9, 1, 1, 1, 1, {"forward": 0.0}, comm, {"all_to_all": 2e9, "all_gather": 1e9})
     nvlink, inter = (n * 1e9 * COMM_FRACTION for n in (gpu.intra_node_gbps, gpu.inter_node_gbps))
-    hsdp, fsdp = step_time(step, gpu, 64, 1, shards=8), step_time(step, gpu, 64, 1)
+    hsdp = step_time(step, gpu, Layout("fsdp2", 64, 8, replicas=8), 1)
+    fsdp = step_time(step, gpu, Layout("fsdp2", 64, 8), 1)
     assert hsdp.comm_s == pytest.approx(
         {"all_gather": 8e9 / nvlink, "reduce_scatter": 4e9 / nvlink, "all_reduce": 1e9 / inter,
          "muon": 2e9 / nvlink + 1e9 / inter}
@@ -151,4 +154,7 @@ def test_hsdp_collectives_are_timed_on_the_links_their_groups_span():
     assert fsdp.comm_s == pytest.approx({kind: value / inter for kind, value in comm.items()})
     assert "in each shard group of 8" in hsdp.link and "across the replica groups" in hsdp.link
     # one machine: every group on NVLink, and the link said once
-    assert step_time(step, gpu, 8, 1, shards=4).link == step_time(step, gpu, 8, 1).link
+    assert (
+        step_time(step, gpu, Layout("fsdp2", 8, 1, replicas=2), 1).link
+        == step_time(step, gpu, Layout("fsdp2", 8), 1).link
+    )

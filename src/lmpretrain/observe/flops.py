@@ -357,7 +357,7 @@ class MFUMeter:
             return f"WARNING: {self.flops_source}"
         return (
             f"training FLOPs per token: {self.flops_per_token:.4g} ({self.flops_source}); perf/mfu against a "
-            f"peak of {self.peak / 1e12:.4g} TFLOP/s ({self.peak_source})"
+            f"peak of {self.peak:.4g} FLOP/s ({self.peak_source})"
         )
 
     def facts(self) -> dict:

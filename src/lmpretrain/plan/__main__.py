@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import sys
 from pathlib import Path
 
-from lmpretrain.config import load_config
-from lmpretrain.errors import UserError
+from lmpretrain.config import Config, load_config, read_config_file
+from lmpretrain.errors import ConfigError, UserError
 from lmpretrain.plan.hardware import PlanError, load_gpu
 from lmpretrain.plan.launch import read_launch
 from lmpretrain.plan.planner import format_plan, make_plan
@@ -51,6 +52,23 @@ def _check_overrides(overrides: list[str], options: list[str]) -> None:
             )
 
 
+def _fork_sections_hint(config: str) -> list[str]:
+    """What to do about the config's top-level sections that are not lmpretrain's: a fork's are named."""
+    try:
+        data = read_config_file(Path(config))
+    except ConfigError:
+        return []
+    builtin = {f.name for f in dataclasses.fields(Config)}
+    unknown = [k for k, v in data.items() if k not in builtin and isinstance(v, dict)]
+    if not unknown:
+        return []
+    names = ",".join(unknown)
+    return [
+        f"config sections {names} are not lmpretrain's; a fork's own (its recipe's cli(sections=...)) are read "
+        f"with --sections {names}"
+    ]
+
+
 def main(argv: list[str]) -> int:
     cli = parser()
     try:
@@ -59,7 +77,10 @@ def main(argv: list[str]) -> int:
         gpu = load_gpu(args.gpu)
         launch = read_launch(args.config_file, args.num_processes, args.num_machines)
         sections = {name: dict for name in args.sections.split(",") if name}
-        cfg = load_config([args.config, *overrides], sections=sections)
+        try:
+            cfg = load_config([args.config, *overrides], sections=sections)
+        except ConfigError as err:
+            raise ConfigError(err.problems + _fork_sections_hint(args.config), source=args.config) from None
         plan = make_plan(cfg, launch, gpu, args.memory_fraction)
     except UserError as err:
         print(f"[lmpretrain] plan: {err}", file=sys.stderr)

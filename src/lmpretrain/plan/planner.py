@@ -221,7 +221,8 @@ def format_plan(plan: Plan) -> str:
         "FLOPs per step per rank (torch FlopCounterMode, executed: recomputation included):",
         f"  forward {f['forward']:.4g}  backward {f['backward']:.4g}  optimizer {f['optimizer']:.4g}"
         " (Newton-Schulz matmuls; AdamW's elementwise work is not counted)",
-        f"roofline ({gpu.key}): compute {t.compute_s * 1e3:.1f} ms, HBM {t.hbm_s * 1e3:.1f} ms, "
+        f"roofline ({gpu.key}, {plan.peak_dtype} peak {gpu.peak_flops(plan.peak_dtype) / 1e12:g} TFLOP/s): compute "
+        f"{t.compute_s * 1e3:.1f} ms, HBM {t.hbm_s * 1e3:.1f} ms, "
         f"collectives at {t.link}",
         f"  overlap: {OVERLAP}; exposed {t.exposed_comm_s * 1e3:.1f} ms",
         f"  step {t.step_s:.3f} s, {plan.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {plan.mfu:.1%} "

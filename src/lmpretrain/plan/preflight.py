@@ -93,10 +93,13 @@ def verdict(plan: dict, memory_bytes: float, cfg) -> str | None:
         else "no micro-batch fits: shard with FSDP2, set train.activation_checkpointing=true or shorten data.seq_len"
     )
     return (
-        f"the plan of this run peaks at {peak / 2**30:.1f} GiB per GPU, more than this GPU's "
-        f"{memory_bytes / 2**30:.1f} GiB (python -m lmpretrain.plan shows where): {fix}; "
-        "train.preflight_plan=false skips this check"
+        f"the plan of this run peaks at {_size(peak)} per GPU, more than this GPU's {_size(memory_bytes)} "
+        f"(python -m lmpretrain.plan shows where): {fix}; train.preflight_plan=false skips this check"
     )
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def check_plan_fits(cfg, info, accelerator, say, device: Device | None = None) -> None:
@@ -141,4 +144,4 @@ def check_plan_fits(cfg, info, accelerator, say, device: Device | None = None) -
         return
     if problem:
         raise PlanError(problem)
-    say(f"memory plan: peak {peak / 2**30:.1f} GiB per GPU (python -m lmpretrain.plan); it fits")
+    say(f"memory plan: peak {_size(peak)} per GPU (python -m lmpretrain.plan); it fits")

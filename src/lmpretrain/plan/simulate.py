@@ -245,7 +245,9 @@ def _simulate(cfg, model_config, launch: Layout, micro_batch: int, *, fake: bool
             sharded = dict(model.named_parameters())
             for group, group_names in zip(optimizer.param_groups, groups, strict=True):
                 group["params"][:] = [sharded[n] for n in group_names]
-        objective = LMObjective.from_config(cfg, model_config.eos_token_id)
+        # No tokenizer here: the model config's EOS id, or any id for a fork's config without one (which id ends
+        # a document changes no shape).
+        objective = LMObjective.from_config(cfg, getattr(model_config, "eos_token_id", None) or 0)
         ids = torch.randint(0, model_config.vocab_size, (micro_batch, cfg.data.seq_len))
         if launch.kind == "fsdp2":
             tracker = _FSDPTracker(model, optimizer)

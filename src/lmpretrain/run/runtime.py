@@ -66,7 +66,7 @@ class RuntimeInfo:
 
     def describe(self) -> str:
         sharding = self.layout.describe()
-        if self.layout.fsdp and self.device == "cpu":
+        if self.layout.fsdp and self.device.split(":")[0] == "cpu":
             sharding += " (accelerate's FSDP2 over gloo, switched on by the recipe on cpu)"
         return (
             f"world_size={self.world_size} distributed_type={self.distributed_type} backend={self.backend} "

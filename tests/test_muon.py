@@ -20,6 +20,7 @@ import recipe_runner as rr
 from lmpretrain.config import OptimConfig, config_problems, load_config
 from lmpretrain.errors import ConfigError
 from lmpretrain.layout import Layout
+from lmpretrain.plan.launch import read_launch
 from lmpretrain.update import muon_problems, set_lr
 from lmpretrain.update.muon import MuonAdamW
 from lmpretrain.update.optim import apply_hyperparameters, build_optimizer, describe_groups
@@ -467,6 +468,11 @@ def test_hsdp_on_four_ranks_trains_like_fsdp2_and_a_mesh_of_another_size_is_refu
         tmp_path / "hsdp", *FSDP_RUN, "--train.micro_batch_size=1", launch="cpu-hsdp", timeout=TIMEOUT
     )
     assert "sharding=fsdp2 HSDP: 2 replica groups x 2 shards (parallelism_config)" in hsdp.output
+    # the recipe's Layout (read from its Accelerator) is the one the planner and the pre-flight plan this launch by
+    planned = read_launch(str(plan_check.ACCELERATE / "cpu-hsdp.yaml"), None, None)
+    assert (
+        "world_size=4 " in hsdp.output and f"sharding={planned.describe()} (accelerate's FSDP2" in hsdp.output
+    )
     assert "and over the 2 replica groups (optim.muon_spread=auto" in hsdp.output
     assert_close_runs(hsdp, fsdp, rel=1e-6)
     figures, off = plan_check.compare(hsdp, "cpu-hsdp", world=4)  # the planner's HSDP step, as rank 0 ran it

@@ -237,7 +237,7 @@ def test_muon_spread_auto_is_decided_on_the_target_gpus_roofline():
     # HSDP 2 x 8 on 2 machines: the replica all-gather (ranks 8 apart) crosses machines; 2 x 4 on one does not
     assert spread_rates(cpu, Layout("fsdp2", 16, 2, replicas=2), h100).bandwidth == pytest.approx(40e9)
     assert spread_rates(cpu, Layout("fsdp2", 8, 1, replicas=2), h100).bandwidth == pytest.approx(360e9)
-    # The plan of a DDP Muon run on 2 H100s: its tiny matrices (smoke.yaml, 32 wide: 120 FLOP per byte) spread on
+    # The plan of a DDP Muon run on 2 H100s: its small matrices (smoke.yaml, 64 wide: 380 FLOP per byte) spread on
     # this CPU (the recipe's real 2-rank gloo run moves Muon's all-gather, docs/planning.md) but not on the GPU
     plan = make_plan(_cfg("smoke.yaml", "--optim.name=muon"), Layout("ddp", 2), h100)
     assert plan.step.comm["muon"] == 0 and plan.step.flops["optimizer"] > 0

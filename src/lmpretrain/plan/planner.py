@@ -45,8 +45,7 @@ class Plan:
 
     @property
     def peak_dtype(self) -> str:
-        """The matmuls' dtype whose peak times the step and is the MFU's basis, as the recipe's (observe/flops.py)."""
-        return table_dtype(self.cfg.train.precision, fp8=self.cfg.train.fp8 != "none")
+        return peak_dtype(self.cfg)
 
     @property
     def mfu(self) -> float:
@@ -83,6 +82,12 @@ def check_config(cfg: Config, launch: Layout) -> None:
         raise ConfigError(problems, source=f"{cfg.config_path} at {launch.num_processes} processes")
 
 
+def peak_dtype(cfg: Config) -> str:
+    """The dtype of the run's matmuls, whose peak times the step and is the MFU's basis as in the recipe's MFU
+    (observe/flops.py): the precision's, fp8 with train.fp8."""
+    return table_dtype(cfg.train.precision, fp8=cfg.train.fp8 != "none")
+
+
 def check_hardware(cfg: Config, launch: Layout, gpu: GPU) -> None:
     """The launch must fit the GPU's machines, and the GPU must run the config's matmuls."""
     if launch.ranks_per_machine > gpu.gpus_per_node:
@@ -91,7 +96,7 @@ def check_hardware(cfg: Config, launch: Layout, gpu: GPU) -> None:
             f"GPUs per machine, but one {gpu.key} machine holds {gpu.gpus_per_node} (gpus_per_node): pass "
             f"--num_machines {-(-launch.num_processes // gpu.gpus_per_node)}"
         )
-    dtype = table_dtype(cfg.train.precision, fp8=cfg.train.fp8 != "none")
+    dtype = peak_dtype(cfg)
     if gpu.peak_flops(dtype) is None:
         raise PlanError(
             f"--gpu {gpu.key}: {gpu.name} has no {dtype} peak in the GPU table (its tensor cores do not run "
@@ -158,8 +163,7 @@ def make_plan(cfg: Config, launch: Layout, gpu: GPU, memory_fraction: float = 0.
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_impl="chunked"))
     model_config = build_model_config(cfg.model)  # no tokenizer: the vocabulary is the model config's
     step = simulate(cfg, model_config, launch, cfg.train.micro_batch_size, gpu=gpu)
-    dtype = table_dtype(cfg.train.precision, fp8=cfg.train.fp8 != "none")
-    timing = step_time(step, gpu, launch, cfg.train.grad_accum_steps, dtype)
+    timing = step_time(step, gpu, launch, cfg.train.grad_accum_steps, peak_dtype(cfg))
     per_token, _ = flops_per_token(
         model_config, cfg.data.seq_len
     )  # the recipe's MFU basis (observe/flops.py)

@@ -148,9 +148,8 @@ class MuonAdamW(torch.optim.Optimizer):
     schedule's lr, a resumed config's hyper-parameters and a loaded checkpoint reach both."""
 
     def __init__(self, groups: list[dict], adamw: dict, spread_rates: SpreadRates | None = None):
-        self.spread_rates = (
-            spread_rates  # the roofline optim.muon_spread=auto weighs (muon_spread.spread_rates)
-        )
+        # the roofline optim.muon_spread=auto weighs (muon_spread.spread_rates; None: the device type's)
+        self.spread_rates = spread_rates
         for group in groups:
             group.setdefault("kind", "adamw")
         super().__init__(groups, defaults={})

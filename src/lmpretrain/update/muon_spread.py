@@ -60,11 +60,14 @@ def spread_rates(device: torch.device, layout: Layout | None = None, gpu: GPU | 
     layout = layout or Layout()
     size, stride = (layout.replicas, layout.shards) if layout.hsdp else (layout.num_processes, 1)
     spans = layout.spans_machines(size, stride)
-    peak = gpu.peak_flops("bf16") or gpu.peak_flops("fp16")  # Newton-Schulz runs in bf16 on GPUs (auto)
+    # Newton-Schulz runs in bf16 on GPUs (optim.muon_ns_dtype=auto); fp16's peak where the GPU has no bf16
+    dtype = next((d for d in ("bf16", "fp16") if gpu.peak_flops(d)), None)
+    if dtype is None:
+        gpu, dtype = UNKNOWN, "bf16"
     return SpreadRates(
-        peak * MATMUL_FRACTION,
+        gpu.peak_flops(dtype) * MATMUL_FRACTION,
         gpu.link_bytes_per_s(spans),
-        f"{gpu.key}'s bf16 peak x {MATMUL_FRACTION} and {gpu.link_name(spans)}",
+        f"{gpu.key}'s {dtype} peak x {MATMUL_FRACTION} and {gpu.link_name(spans)}",
     )
 
 

@@ -115,6 +115,16 @@ def test_the_preflight_describes_its_gpu_from_the_one_table():
     assert gpu_file(H100, Layout("ddp", 16))["h100"]["gpus_per_node"] == 16  # a launch of 16 on one machine
 
 
+def test_a_launch_the_planner_cannot_plan_is_said_and_not_stopped():
+    """FSDP1 (which the recipe launches on GPUs, the planner does not plan): the run goes on, saying why."""
+    said = []
+    info = RuntimeInfo(Layout("fsdp1", 2), 0, "FSDP", None, "cpu", 1)
+    check_plan_fits(load_config([str(SMOKE)]), info, Accelerator(cpu=True), said.append, device=H100)
+    assert said == [
+        "memory plan: skipped (the planner plans FSDP2, DDP and DeepSpeed ZeRO-1/2 launches, not fsdp1)"
+    ]
+
+
 @pytest.mark.slow
 def test_check_plan_fits_refuses_with_one_message_and_passes(tmp_path):
     """On a GPU too small for micro-batches of 4 (smoke.yaml: 4 x 2 accumulation) the run stops before any

@@ -55,7 +55,8 @@ class GPU:
         return gbps * 1e9 * COMM_FRACTION
 
     def link_name(self, spans_machines: bool) -> str:
-        return f"{'inter-node' if spans_machines else 'NVLink/intra-node'} {self.link_bytes_per_s(spans_machines) / 1e9:.0f} GB/s effective"
+        link = "inter-node" if spans_machines else "NVLink/intra-node"
+        return f"{link} {self.link_bytes_per_s(spans_machines) / 1e9:.0f} GB/s effective"
 
 
 # A GPU the table does not name: round figures of a current datacenter GPU (0.5 x 800 TFLOP/s of bf16 matmuls,

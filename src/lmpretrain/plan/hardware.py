@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from lmpretrain.errors import UserError
-from lmpretrain.gpus import GPU, REQUIRED, TABLE, entry_problems, gpu_from_entry, table
+from lmpretrain.gpus import DTYPES, GPU, REQUIRED, TABLE, entry_problems, gpu_from_entry, table
 
 
 class PlanError(UserError):
@@ -43,6 +43,8 @@ def load_gpu(name_or_path: str) -> GPU:
     key, entry = next(iter(entries.items()))
     problems = entry_problems(entry)
     if problems:
-        raise PlanError(f"--gpu {path}: entry {key!r} {'; '.join(problems)} (fields: {', '.join(REQUIRED)}, "
-                        "and <dtype>_tflops for fp32, tf32, bf16, fp16, fp8)")  # fmt: skip
+        peaks = ", ".join(f"{d}_tflops" for d in DTYPES)
+        raise PlanError(
+            f"--gpu {path}: entry {key!r} {'; '.join(problems)} (fields: {', '.join(REQUIRED)}; {peaks})"
+        )
     return gpu_from_entry(key, entry)

@@ -121,7 +121,12 @@ def check_plan_fits(cfg, info, accelerator, say, device: Device | None = None) -
             rows = cfg.global_batch(info.world_size) // info.world_size
             split = batch_split(rows, plan["max_micro_batch"])
             result = [plan["per_rank_bytes"]["total_peak"], verdict(plan, device.memory_bytes, cfg), split]
-        except (RuntimeError, OSError, ValueError) as err:  # a plan that cannot be made must not stop a run
+        except (
+            PlanError,
+            RuntimeError,
+            OSError,
+            ValueError,
+        ) as err:  # a plan that cannot be made must not stop a run
             result = [None, f"skipped ({err})", None]
     broadcast_object_list(result)
     peak, problem, split = result

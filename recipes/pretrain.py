@@ -214,7 +214,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         save_config(cfg, out / "config.yaml", provenance=made_by)
 
     tracker = Tracker.for_run(
-        accelerator, cfg, facts={**counts, "runtime": vars(info), **meter.facts(), "provenance": made_by},
+        accelerator, cfg, facts={**counts, "runtime": info.facts(), **meter.facts(), "provenance": made_by},
         run_id=state.wandb_run_id, resume_step=state.step if resume_from else None,
     )  # fmt: skip
     cleanup.enter_context(tracker)  # finishes the W&B run, as failed when the run ends on an exception

@@ -13,6 +13,7 @@ absent (`_leave_deepspeed_unimported`).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -72,6 +73,12 @@ class RuntimeInfo:
             f"world_size={self.world_size} distributed_type={self.distributed_type} backend={self.backend} "
             f"device={self.device} threads/process={self.threads} sharding={sharding}"
         )
+
+    def facts(self) -> dict:
+        """For the run config (W&B, metrics): the processes and how the run is laid out over them."""
+        facts = {k: v for k, v in vars(self).items() if k != "layout"}
+        sharding = {"sharding": self.layout.describe(), "layout": dataclasses.asdict(self.layout)}
+        return {"world_size": self.world_size, "local_world_size": self.local_world_size, **facts, **sharding}
 
     def startup_lines(self) -> list[str]:
         """The run's first lines: the processes, and on a restart which one it is."""

@@ -141,7 +141,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     say(*info.startup_lines())  # the processes; which restart this is (launch --max_restarts)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     import_model_modules(cfg.model)  # a fork's own model classes register with the Auto classes
-    model_config = preflight(cfg, info.sharding, info.world_size, tokenizer)  # one error lists every problem
+    model_config = preflight(cfg, info.layout, tokenizer)  # one error lists every problem
     check_plan_fits(cfg, info, accelerator, say)  # CUDA: a run whose planned peak cannot fit stops here
     W = info.world_size
     ramp = BatchRamp.from_config(cfg.train, cfg.global_batch(W), cfg.data.seq_len)  # blocks of each step
@@ -150,7 +150,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     say(train_data.describe())
     eval_size = cfg.eval.batches * cfg.eval.batch_size  # blocks, framed (BOS or not) as the training stream
     held_out = heldout_blocks(cfg.data, tokenizer, eval_size, train_data.add_bos, accelerator.is_main_process)
-    deepspeed, fsdp2 = info.sharding.startswith("deepspeed"), info.sharding.startswith("fsdp2")
+    deepspeed, fsdp2 = info.layout.kind == "deepspeed", info.layout.kind == "fsdp2"
     precision = MixedPrecision.from_config(cfg.train, accelerator.device, engine=deepspeed)
     # eval.tasks: resolved and loaded now, so a bad task stops the run before the model is built
     tasks = TaskSuite.from_config(cfg, tokenizer, accelerator, precision)
@@ -173,9 +173,9 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     say(*objective.install(model))  # the loss runs inside the model's forward (FSDP2 needs it)
     counts = parameter_counts(model)  # after install: a fork's auxiliary modules train too
     say(*prepare_model(model, cfg.train, accelerator))  # attention, checkpointing, compile
-    optimizer = build_optimizer(model, cfg.optim, accelerator.device)
+    optimizer = build_optimizer(model, cfg.optim, accelerator.device, info.layout)
     say(f"{counts['params_total']:,} parameters; optimizer groups: {describe_groups(optimizer)}")
-    say(describe_implementation(optimizer, cfg.optim, accelerator.device, W, fsdp2, info.replicas))
+    say(describe_implementation(optimizer, cfg.optim, accelerator.device, W, fsdp2, info.layout.replicas))
     # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (set_lr before each step from the
     # updates really applied), under every backend.
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -185,12 +185,12 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     averages = {"ema": ema} if ema else {}
     if ema:
         say(ema.describe())
-    say(*precision.check_prepared(model, optimizer, cfg.train, info.sharding))  # FSDP2's, DeepSpeed's
+    say(*precision.check_prepared(model, optimizer, cfg.train, info.layout))  # FSDP2's, DeepSpeed's
     say(checkpointer.describe())
     evaluator = Evaluator(held_out, objective, precision, cfg.eval.batch_size, accelerator, tokenizer, out)
     made_by = provenance(recipe, cfg)  # which recipe and fork files, commit and packages trained this run
     meter = MFUMeter.for_run(  # a fork's auxiliary modules count in the FLOPs too
-        model_config, cfg.data.seq_len, accelerator.device, precision.compute_dtype,
+        model_config, cfg, accelerator.device, precision.compute_dtype,
         objective.extra_matmul_params(accelerator.unwrap_model(model)),
     )  # fmt: skip
     say(meter.describe())
@@ -219,7 +219,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         save_config(cfg, out / "config.yaml", provenance=made_by)
 
     tracker = Tracker.for_run(
-        accelerator, cfg, facts={**counts, "runtime": vars(info), **meter.facts(), "provenance": made_by},
+        accelerator, cfg, facts={**counts, "runtime": info.facts(), **meter.facts(), "provenance": made_by},
         run_id=state.wandb_run_id, resume_step=state.step if resume_from else None,
     )  # fmt: skip
     cleanup.enter_context(tracker)  # finishes the W&B run, as failed when the run ends on an exception
@@ -301,7 +301,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
 
     # ---- Finish: export model + tokenizer for from_pretrained / pipeline() -------------------------
     train_data.close()
-    if info.sharding.startswith(("ddp", "deepspeed")):  # replicas must hold identical parameters
+    if info.layout.replicated:  # replicas must hold identical parameters
         say(check_replicas_identical(model, accelerator))
     final = export_pretrained(model, tokenizer, out / "final", accelerator)  # every rank: gathers shards
     sample = generate_sample(model, tokenizer, cfg.eval.prompt, 48, accelerator)

@@ -15,6 +15,7 @@ from lmpretrain.config import Config, load_config
 from lmpretrain.data import BatchRamp, SourceSpec, blocks_per_stream, load_tokenizer, merge_data_states
 from lmpretrain.data.prepare import write_token_files
 from lmpretrain.errors import ConfigError
+from lmpretrain.layout import Layout
 from lmpretrain.preflight import preflight
 from lmpretrain.update import learning_rate
 
@@ -117,7 +118,7 @@ def test_preflight_lists_every_ramp_stage_that_does_not_split(stdlib_cache):
     cfg = load_config([SMOKE, f"--train.batch_ramp={stages}"])  # micro 4 x 2 ranks: multiples of 8
     assert cfg.train.batch_ramp[0].until_tokens == 1000.0
     with pytest.raises(ConfigError) as err:
-        preflight(cfg, "ddp (replicated)", 2, tok)
+        preflight(cfg, Layout("ddp", 2), tok)
     message = str(err.value)
     assert "multiple of train.micro_batch_size x world size = 8" in message
     assert (
@@ -125,12 +126,12 @@ def test_preflight_lists_every_ramp_stage_that_does_not_split(stdlib_cache):
     )
     assert "stage 1" not in message
     with pytest.raises(ConfigError) as err:  # on one process micro-batches of 4 split 8 and 12, not 6
-        preflight(cfg, "none", 1, tok)
+        preflight(cfg, Layout(), tok)
     assert "stage 0 (until_tokens 1000) global_batch=6" in str(err.value) and "stage 2" not in str(err.value)
     engine = load_config(
         [SMOKE, "--train.ema_decay=0.9", "--train.batch_ramp=[{until_tokens: 1, global_batch: 8}]"]
     )
     with pytest.raises(ConfigError) as err:
-        preflight(engine, "deepspeed-zero2", 1, tok)
+        preflight(engine, Layout("deepspeed", zero_stage=2), tok)
     assert "train.ema_decay is not supported under DeepSpeed" in str(err.value)
     assert "train.batch_ramp is not supported under DeepSpeed" in str(err.value)

@@ -29,6 +29,7 @@ from lmpretrain.checkpoint.checkpointer import (
 from lmpretrain.config import load_config
 from lmpretrain.data import TrainStream, load_tokenizer
 from lmpretrain.errors import CheckpointMismatchError, ConfigError
+from lmpretrain.layout import Layout
 from lmpretrain.model import build_model_config
 from lmpretrain.preflight import preflight
 from lmpretrain.run.fingerprint import (
@@ -626,7 +627,7 @@ def test_allow_mismatch_names_are_checked_with_the_config():
     assert "unknown name(s) 'everything'" in problem and "micro_batch_size" in problem
     cfg = load_config([str(rr.SMOKE), "--run.allow_mismatch=[micro_bach_size]"])
     with pytest.raises(ConfigError) as err:  # in the one pre-flight pass, before any work
-        preflight(cfg, "none", 1, load_tokenizer(cfg.data.tokenizer))
+        preflight(cfg, Layout(), load_tokenizer(cfg.data.tokenizer))
     assert any("'micro_bach_size'" in p for p in err.value.problems)
 
 

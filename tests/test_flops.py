@@ -2,23 +2,33 @@
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from lmpretrain.config import load_config
+from lmpretrain.gpus import table
+from lmpretrain.layout import Layout
 from lmpretrain.observe.flops import (
     counted_flops_per_token,
     flops_per_token,
+    gpu_peak,
     gpu_table_key,
     matmul_params_per_token,
     measure_peak_flops,
     mfu,
     parameter_flops_per_token,
     peak_flops,
+    table_dtype,
     table_peak,
     train_flops_per_token,
 )
+from lmpretrain.plan.hardware import load_gpu
+from lmpretrain.plan.planner import make_plan
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 GPT2_124M = GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
 # Llama 3.2 1B shape: GQA with 32 query heads and 8 key/value heads of 64 dims, tied embeddings.
@@ -91,29 +101,35 @@ def test_causal_counting_and_dict_configs_and_unsupported_types():
         train_flops_per_token({"model_type": "gpt2", "n_embd": 8}, 16)
 
 
+# torch.cuda.get_device_name() of each GPU of the one table (lmpretrain/gpus.yaml), and two it lacks
+DEVICE_NAMES = {
+    "NVIDIA H100 80GB HBM3": "h100",
+    "NVIDIA H100 PCIe": "h100-pcie",
+    "NVIDIA H100 NVL": "h100-nvl",
+    "NVIDIA H200": "h200",
+    "NVIDIA H200 NVL": "h200-nvl",
+    "NVIDIA B200": "b200",
+    "NVIDIA A100-SXM4-80GB": "a100",
+    "NVIDIA A100 80GB PCIe": "a100",
+    "NVIDIA A100-SXM4-40GB": "a100-40gb",
+    "NVIDIA A10G": "a10g",
+    "NVIDIA A10": "a10",
+    "NVIDIA L4": "l4",
+    "NVIDIA L40S": "l40s",
+    "NVIDIA L40": "l40",
+    "NVIDIA GeForce RTX 4090": "rtx-4090",
+    "Tesla V100-SXM2-16GB": "v100-sxm",
+    "Tesla V100-PCIE-32GB": "v100-pcie",
+    "Tesla T4": "t4",
+    "NVIDIA GeForce RTX 3060": None,
+    "AMD Instinct MI300X": None,
+}
+
+
 def test_gpu_table_lookup():
-    names = {
-        "NVIDIA H100 80GB HBM3": "h100-sxm",
-        "NVIDIA H100 PCIe": "h100-pcie",
-        "NVIDIA H100 NVL": "h100-nvl",
-        "NVIDIA H200": "h200-sxm",
-        "NVIDIA H200 NVL": "h200-nvl",
-        "NVIDIA A100-SXM4-80GB": "a100",
-        "NVIDIA A100 80GB PCIe": "a100",
-        "NVIDIA A10G": "a10g",
-        "NVIDIA A10": "a10",
-        "NVIDIA L4": "l4",
-        "NVIDIA L40S": "l40s",
-        "NVIDIA L40": "l40",
-        "NVIDIA GeForce RTX 4090": "rtx-4090",
-        "Tesla V100-SXM2-16GB": "v100-sxm",
-        "Tesla V100-PCIE-32GB": "v100-pcie",
-        "Tesla T4": "t4",
-        "NVIDIA B200": None,
-        "NVIDIA GeForce RTX 3060": None,
-    }
-    for name, key in names.items():
+    for name, key in DEVICE_NAMES.items():
         assert gpu_table_key(name) == key, name
+    assert set(DEVICE_NAMES.values()) - {None} == set(table())  # every entry is reached by a device name
     assert (
         table_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12
     )  # dense, not the 1979 sparse figure
@@ -121,7 +137,34 @@ def test_gpu_table_lookup():
     assert table_peak("NVIDIA H100 80GB HBM3", "no", allow_tf32=True) == 494.7e12
     assert table_peak("NVIDIA A100-SXM4-40GB", "bf16") == 312e12
     assert table_peak("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores -> measured
-    assert table_peak("NVIDIA B200", "bf16") is None
+    assert table_peak("NVIDIA B200", "bf16") == 2250e12
+
+
+def test_the_recipe_and_the_planner_read_one_peak_for_every_gpu_and_an_fp8_run_gets_the_fp8_peak():
+    """The recipe's MFU peak (by device name) and the planner's (by --gpu key) are one number for every GPU
+    and matmul dtype; a train.fp8 run is measured against the fp8 peak of the kernels it runs, in the recipe's
+    MFU and in the plan's."""
+    compared = 0
+    for name, key in DEVICE_NAMES.items():
+        if key is None:
+            continue
+        gpu = load_gpu(key)
+        for precision in ("no", "bf16", "fp16"):
+            for fp8 in (False, True):
+                planned = gpu.peak_flops(table_dtype(precision, fp8=fp8))
+                assert table_peak(name, precision, fp8=fp8) == planned, (name, precision, fp8)
+                compared += planned is not None
+    assert compared > 40
+    assert gpu_peak("NVIDIA H100 80GB HBM3", torch.bfloat16, fp8=True) == (1978.9e12, "table:h100:fp8")
+    assert gpu_peak("NVIDIA B200", torch.bfloat16) == (2250e12, "table:b200:bf16")
+    assert gpu_peak("NVIDIA B200", torch.bfloat16, fp8=True) == (4500e12, "table:b200:fp8")
+    assert gpu_peak("NVIDIA A100-SXM4-80GB", torch.bfloat16, fp8=True) is None  # no fp8: measured instead
+    fp8 = ["--train.precision=bf16", "--train.compile=true", "--train.fp8=tensorwise"]
+    plan = make_plan(load_config([str(CONFIGS / "smoke.yaml"), *fp8]), Layout(), load_gpu("h100"))
+    assert plan.peak_dtype == "fp8"
+    assert plan.mfu == pytest.approx(
+        plan.tokens_per_s_per_gpu * plan.model_flops_per_token / 1978.9e12, rel=1e-12
+    )
 
 
 def test_cpu_peak_is_measured_once_positive_and_finite():

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from conftest import one_layer_llama_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lmpretrain.config import load_config
 from lmpretrain.model import IGNORE_INDEX, LMObjective, Term, make_labels, weighted_sum
 from lmpretrain.observe.flops import MFUMeter
 
@@ -142,9 +143,10 @@ def test_flops_count_the_forks_auxiliary_modules_and_its_second_pass_through_the
     mtp = MTPObjective(mtp_weight=0.1)
     mtp.install(model)
     assert mtp.extra_matmul_params(model) == 16 * 16 + VOCAB * 16  # mtp_proj, then the tied head again
-    base = MFUMeter.for_run(model.config, 12, torch.device("cpu"), torch.float32)
+    cfg = load_config([str(ROOT / "configs" / "smoke.yaml"), "--data.seq_len=12"])
+    base = MFUMeter.for_run(model.config, cfg, torch.device("cpu"), torch.float32)
     meter = MFUMeter.for_run(
-        model.config, 12, torch.device("cpu"), torch.float32, mtp.extra_matmul_params(model)
+        model.config, cfg, torch.device("cpu"), torch.float32, mtp.extra_matmul_params(model)
     )
     assert meter.flops_per_token == base.flops_per_token + 6 * (16 * 16 + VOCAB * 16)
     assert "+ 6 x 1,792 weights of the objective's auxiliary modules" in meter.describe()

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from lmpretrain.config import config_problems, derive_accumulation, load_config
+from lmpretrain.layout import Layout
 from lmpretrain.plan.hardware import load_gpu
-from lmpretrain.plan.launch import Launch
 from lmpretrain.plan.planner import make_plan
 from lmpretrain.run.oom_retry import is_out_of_memory, smaller_micro_batch
 from recipe_runner import ROOT, SMOKE, read_metrics, run_command
@@ -69,11 +69,11 @@ def test_the_plan_of_auto_is_the_largest_micro_batch_that_fits_and_divides():
     """What the CUDA pre-flight takes for train.micro_batch_size=auto: the plan's split of the rows per rank."""
     cfg = load_config([str(SMOKE), "--train.micro_batch_size=auto", "--train.global_batch_size=96"])
     gpu = load_gpu("h100")
-    plan = make_plan(cfg, Launch("none", 2, 1), gpu)
+    plan = make_plan(cfg, Layout("ddp", 2, 1), gpu)
     assert plan.max_micro_batch > 48 and plan.split == (48, 1)  # a tiny model: all 48 rows per rank fit
     tight = make_plan(
         cfg,
-        Launch("none", 2, 1),
+        Layout("ddp", 2, 1),
         gpu,
         memory_fraction=(plan.step.total_peak + 2.5 * plan.step.row_bytes) / gpu.memory_bytes,
     )

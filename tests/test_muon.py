@@ -19,6 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import recipe_runner as rr
 from lmpretrain.config import OptimConfig, config_problems, load_config
 from lmpretrain.errors import ConfigError
+from lmpretrain.layout import Layout
+from lmpretrain.plan.launch import read_launch
 from lmpretrain.update import muon_problems, set_lr
 from lmpretrain.update.muon import MuonAdamW
 from lmpretrain.update.optim import apply_hyperparameters, build_optimizer, describe_groups
@@ -396,16 +398,13 @@ def test_bad_muon_settings_are_one_clear_problem():
 
 def test_deepspeed_and_fsdp1_are_refused_ddp_and_fsdp2_are_not():
     cfg = dataclasses.replace(OptimConfig(), name="muon")
-    (problem,) = muon_problems(cfg, "deepspeed-zero2")
+    zero2 = Layout("deepspeed", 2, zero_stage=2)
+    (problem,) = muon_problems(cfg, zero2)
     assert problem.startswith("optim.name=muon cannot run under deepspeed-zero2: it flattens the parameters")
-    assert muon_problems(cfg, "fsdp1")
-    for ok in (
-        "none",
-        "ddp (replicated)",
-        "fsdp2 (accelerate's FSDP2 over gloo, switched on by the recipe on cpu)",
-    ):
+    assert muon_problems(cfg, Layout("fsdp1", 2))
+    for ok in (Layout(), Layout("ddp", 2), Layout("fsdp2", 2), Layout("fsdp2", 4, replicas=2)):
         assert muon_problems(cfg, ok) == []
-    assert muon_problems(OptimConfig(), "deepspeed-zero2") == []  # AdamW runs there
+    assert muon_problems(OptimConfig(), zero2) == []  # AdamW runs there
 
 
 def test_a_model_without_blocks_is_refused():
@@ -469,6 +468,11 @@ def test_hsdp_on_four_ranks_trains_like_fsdp2_and_a_mesh_of_another_size_is_refu
         tmp_path / "hsdp", *FSDP_RUN, "--train.micro_batch_size=1", launch="cpu-hsdp", timeout=TIMEOUT
     )
     assert "sharding=fsdp2 HSDP: 2 replica groups x 2 shards (parallelism_config)" in hsdp.output
+    # the recipe's Layout (read from its Accelerator) is the one the planner and the pre-flight plan this launch by
+    planned = read_launch(str(plan_check.ACCELERATE / "cpu-hsdp.yaml"), None, None)
+    assert (
+        "world_size=4 " in hsdp.output and f"sharding={planned.describe()} (accelerate's FSDP2" in hsdp.output
+    )
     assert "and over the 2 replica groups (optim.muon_spread=auto" in hsdp.output
     assert_close_runs(hsdp, fsdp, rel=1e-6)
     figures, off = plan_check.compare(hsdp, "cpu-hsdp", world=4)  # the planner's HSDP step, as rank 0 ran it

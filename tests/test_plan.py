@@ -11,18 +11,22 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lmpretrain.config import load_config
+from lmpretrain.gpus import COMM_FRACTION
+from lmpretrain.layout import Layout
 from lmpretrain.model.build import build_model_config
 from lmpretrain.observe.flops import counted_flops_per_token
 from lmpretrain.plan.__main__ import main
 from lmpretrain.plan.hardware import load_gpu
-from lmpretrain.plan.launch import Launch, read_launch
+from lmpretrain.plan.launch import read_launch
 from lmpretrain.plan.planner import make_plan
 from lmpretrain.plan.preflight import verdict
-from lmpretrain.plan.roofline import COMM_FRACTION, step_time
+from lmpretrain.plan.roofline import step_time
 from lmpretrain.plan.simulate import Step, simulate
+from lmpretrain.update.muon_spread import CPU_RATES, spread_decision, spread_rates
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -41,18 +45,40 @@ def _cfg(name: str, *overrides: str):
             ["--config_file", "configs/accelerate/cpu-hsdp.yaml", "--num_processes", "8"],
             "parallelism_config asks for 2 replica groups x 2 shards = 4 processes, but --num_processes is 8",
         ),
+        (["--num_processes", "0"], "--num_processes=0: must be a whole number of at least 1 (the processes)"),
+        (
+            ["--num_processes", "-2"],
+            "--num_processes=-2: must be a whole number of at least 1 (the processes)",
+        ),
+        (["--num_machines", "0"], "--num_machines=0: must be a whole number of at least 1 (the machines)"),
+        (
+            ["--num_processes", "4", "--num_machines", "3"],
+            "--num_processes=4 is not a multiple of --num_machines=3",
+        ),
+        (["--num_processes", "two"], "argument --num_processes: invalid int value: 'two'"),
+        (["--num_proceses", "4"], "unknown option --num_proceses; did you mean --num_processes?"),
+        (
+            ["--config_file", "configs/accelerate/fsdp.yaml", "--num_processes", "16"],
+            "16 processes on 1 machine(s) is 16 GPUs per machine, but one h100 machine holds 8 (gpus_per_node): "
+            "pass --num_machines 2",
+        ),
+        (
+            ["--train.precision=bf16", "--gpu", "v100-sxm"],
+            "--gpu v100-sxm: NVIDIA Tesla V100 SXM2 32GB has no bf16",
+        ),
     ],
 )
 def test_bad_input_is_one_message_and_exit_2(args, message, capsys):
     assert main([str(CONFIGS / "smoke.yaml"), *args]) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in err and "Traceback" not in err and "usage:" not in err
+    assert err.startswith("[lmpretrain] plan: ") and err.count("[lmpretrain]") == 1
 
 
 def test_flops_equal_the_recipes_count():
     """Eager attention and the full loss: forward + backward are the FLOPs observe/flops.py counts."""
     cfg = _cfg("smoke.yaml", "--model.attn_implementation=eager")
-    step = simulate(cfg, build_model_config(cfg.model), Launch("none", 1, 1), cfg.train.micro_batch_size)
+    step = simulate(cfg, build_model_config(cfg.model), Layout(), cfg.train.micro_batch_size)
     tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
     expected = counted_flops_per_token(build_model_config(cfg.model), cfg.data.seq_len) * tokens
     assert step.flops["forward"] + step.flops["backward"] == expected
@@ -78,7 +104,7 @@ def test_fake_step_matches_the_real_step(config, checkpointing, one_thread):
     0.97 alone to 1.16 after other test files; paused, 161 / 144 MB = 1.12 in any order)."""
     cfg = _cfg(config, f"--train.activation_checkpointing={str(checkpointing).lower()}")
     model_config = build_model_config(cfg.model)
-    launch = Launch("none", 1, 1)
+    launch = Layout()
     gc.disable()
     try:
         fake = simulate(cfg, model_config, launch, cfg.train.micro_batch_size, fake=True)
@@ -142,7 +168,8 @@ def test_hsdp_collectives_are_timed_on_the_links_their_groups_span():
     comm = {"all_gather": 8e9, "reduce_scatter": 4e9, "all_reduce": 1e9, "muon": 3e9}
     step = Step(1, 2e9, 1, 1, 1, 1, {"forward": 0.0}, comm, {"all_to_all": 2e9, "all_gather": 1e9})
     nvlink, inter = (n * 1e9 * COMM_FRACTION for n in (gpu.intra_node_gbps, gpu.inter_node_gbps))
-    hsdp, fsdp = step_time(step, gpu, 64, 1, shards=8), step_time(step, gpu, 64, 1)
+    hsdp = step_time(step, gpu, Layout("fsdp2", 64, 8, replicas=8), 1)
+    fsdp = step_time(step, gpu, Layout("fsdp2", 64, 8), 1)
     assert hsdp.comm_s == pytest.approx(
         {"all_gather": 8e9 / nvlink, "reduce_scatter": 4e9 / nvlink, "all_reduce": 1e9 / inter,
          "muon": 2e9 / nvlink + 1e9 / inter}
@@ -151,4 +178,66 @@ def test_hsdp_collectives_are_timed_on_the_links_their_groups_span():
     assert fsdp.comm_s == pytest.approx({kind: value / inter for kind, value in comm.items()})
     assert "in each shard group of 8" in hsdp.link and "across the replica groups" in hsdp.link
     # one machine: every group on NVLink, and the link said once
-    assert step_time(step, gpu, 8, 1, shards=4).link == step_time(step, gpu, 8, 1).link
+    assert (
+        step_time(step, gpu, Layout("fsdp2", 8, 1, replicas=2), 1).link
+        == step_time(step, gpu, Layout("fsdp2", 8), 1).link
+    )
+
+
+def test_ddp_overlaps_its_all_reduce_at_any_world_size_and_links_follow_the_machines():
+    """DDP's (and ZeRO's) gradient all-reduce overlaps the backward at 2 ranks as at 8; FSDP2's all-reduce (the
+    gradient norm) is exposed. A group within one machine is timed on NVLink, one that spans machines
+    (--num_machines) on the NIC, whatever the world size."""
+    gpu = load_gpu("h100")
+    nvlink, inter = (n * 1e9 * COMM_FRACTION for n in (gpu.intra_node_gbps, gpu.inter_node_gbps))
+    step = Step(1, 4e9, 1, 1, 1, 1, {"forward": 0.0}, {"all_reduce": 4e9})
+    for world in (2, 8):
+        ddp = step_time(step, gpu, Layout("ddp", world), 1)
+        assert ddp.comm_s == {"all_reduce": pytest.approx(4e9 / nvlink)} and ddp.exposed_comm_s == 0
+        assert ddp.step_s == pytest.approx(4e9 / nvlink)  # the only work: the overlapped all-reduce
+    assert step_time(step, gpu, Layout("deepspeed", 2, zero_stage=2), 1).exposed_comm_s == 0
+    assert step_time(step, gpu, Layout("fsdp2", 2), 1).exposed_comm_s == pytest.approx(4e9 / nvlink)
+    across = step_time(step, gpu, Layout("ddp", 8, num_machines=2), 1)  # 4 GPUs on each of 2 machines
+    assert across.comm_s == {"all_reduce": pytest.approx(4e9 / inter)} and across.link.startswith(
+        "inter-node 40 GB/s"
+    )
+    assert step_time(step, gpu, Layout("ddp", 8), 1).link.startswith("NVLink/intra-node 360 GB/s")
+    # HSDP's replica groups (ranks 4 apart) span the 2 machines; its shard groups of 4 stay in one
+    hsdp = step_time(Step(1, 4e9, 1, 1, 1, 1, {"forward": 0.0}, {"all_reduce": 4e9, "all_gather": 8e9}), gpu,
+                     Layout("fsdp2", 8, num_machines=2, replicas=2), 1)  # fmt: skip
+    assert hsdp.comm_s == pytest.approx({"all_reduce": 4e9 / inter, "all_gather": 8e9 / nvlink})
+
+
+def test_muon_spread_auto_is_decided_on_the_target_gpus_roofline():
+    """optim.muon_spread=auto weighs the Newton-Schulz FLOPs a spread saves against the all-gather it costs,
+    at the rates of the GPU the run trains on and the link the all-gather crosses (its layout's machines),
+    never at the CPU's that simulates it. One 1024 x 1024 fp32 matrix, 5 steps: 32.2 GFLOP against 4 MiB, 7,680
+    FLOP per byte; spreading pays where the GPU does fewer than that per byte of link."""
+    h100 = load_gpu("h100")
+    params, groups = (
+        [torch.empty(1024, 1024, device="meta")],
+        [{"ns_steps": 5, "pieces": 1, "spread": "auto"}],
+    )
+    cpu = torch.device("cpu")
+    assert spread_rates(cpu) == CPU_RATES and CPU_RATES.flops / CPU_RATES.bandwidth == 25
+    one_machine, two = (
+        spread_rates(cpu, Layout("ddp", 8), h100),
+        spread_rates(cpu, Layout("ddp", 16, 2), h100),
+    )
+    assert (one_machine.flops, one_machine.bandwidth) == pytest.approx(
+        (989.4e12 * 0.5, 450e9 * 0.8)
+    )  # 1,374 / B
+    assert (two.flops, two.bandwidth) == pytest.approx((989.4e12 * 0.5, 50e9 * 0.8))  # 12,368 FLOP per byte
+    assert spread_decision(params, groups, 8, False, cpu, rates=CPU_RATES).ranks
+    assert spread_decision(params, groups, 8, False, cpu, rates=one_machine).ranks
+    not_spread = spread_decision(params, groups, 16, False, cpu, rates=two)
+    assert (
+        not not_spread.ranks and "h100's bf16 peak x 0.5 and inter-node 40 GB/s effective" in not_spread.where
+    )
+    # HSDP 2 x 8 on 2 machines: the replica all-gather (ranks 8 apart) crosses machines; 2 x 4 on one does not
+    assert spread_rates(cpu, Layout("fsdp2", 16, 2, replicas=2), h100).bandwidth == pytest.approx(40e9)
+    assert spread_rates(cpu, Layout("fsdp2", 8, 1, replicas=2), h100).bandwidth == pytest.approx(360e9)
+    # The plan of a DDP Muon run on 2 H100s: its small matrices (smoke.yaml, 64 wide: 380 FLOP per byte) spread on
+    # this CPU (the recipe's real 2-rank gloo run moves Muon's all-gather, docs/planning.md) but not on the GPU
+    plan = make_plan(_cfg("smoke.yaml", "--optim.name=muon"), Layout("ddp", 2), h100)
+    assert plan.step.comm["muon"] == 0 and plan.step.flops["optimizer"] > 0

@@ -172,6 +172,7 @@ def test_offline_wandb_run_reads_back(smoke):
     config = run["config"]
     assert config["train"]["max_steps"] == 20 and config["data"]["seq_len"] == 64
     assert config["params_total"] > 0 and config["runtime"]["world_size"] == 1
+    assert config["runtime"]["sharding"] == "none" and config["runtime"]["layout"]["kind"] == "none"
     assert config["peak_flops_source"].startswith("measured:cpu")
     assert config["provenance"]["versions"]["torch"] and config["provenance"]["recipe"].endswith(
         "pretrain.py"

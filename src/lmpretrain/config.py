@@ -561,7 +561,8 @@ def read_config_file(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
 
 def with_sections(sections: dict[str, type] | None) -> type[Config]:
     """Config plus a fork's own sections ({"mtp": MTPConfig}: dataclasses with defaults), which then get
-    YAML and command-line overrides, type checks, did-you-mean, config.yaml and W&B like ours."""
+    YAML and command-line overrides, type checks, did-you-mean, config.yaml and W&B like ours. A section given
+    as `dict` is read as a plain mapping: what the planner does with a fork's sections, whose classes it lacks."""
     if not sections:
         return Config
     taken = {f.name for f in dataclasses.fields(Config)} & set(sections)
@@ -570,7 +571,7 @@ def with_sections(sections: dict[str, type] | None) -> type[Config]:
             [f"a recipe section cannot reuse the name of a built-in one: {', '.join(sorted(taken))}"]
         )
     for name, cls in sections.items():
-        if not dataclasses.is_dataclass(cls):
+        if not dataclasses.is_dataclass(cls) and cls is not dict:
             raise ConfigError([f"recipe section {name!r} must be a dataclass, got {cls!r}"])
     extra = [(name, cls, field(default_factory=cls)) for name, cls in sections.items()]
     return dataclasses.make_dataclass("Config", extra, bases=(Config,))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from lmpretrain.checkpoint.checkpointer import checkpoint_problems
 from lmpretrain.config import Config, config_problems, fork_sections
 from lmpretrain.errors import ConfigError
+from lmpretrain.layout import Layout
 from lmpretrain.model.build import build_model_config, causal_lm_class, contract_problems
 from lmpretrain.model.speed import kernel_problems
 from lmpretrain.run.fingerprint import allow_mismatch_problems
@@ -18,9 +19,9 @@ from lmpretrain.update.guard import guard_problems
 from lmpretrain.update.muon import muon_problems
 
 
-def preflight(cfg: Config, sharding: str, world_size: int, tokenizer):
-    """The model config of the run, or one ConfigError listing every problem found."""
-    problems = config_problems(cfg, world_size)
+def preflight(cfg: Config, layout: Layout, tokenizer):
+    """The model config of the run laid out as `layout`, or one ConfigError listing every problem found."""
+    problems = config_problems(cfg, layout.num_processes)
     problems += allow_mismatch_problems(
         [n for n in cfg.run.allow_mismatch if n is not None], sections=fork_sections(cfg)
     )
@@ -32,8 +33,8 @@ def preflight(cfg: Config, sharding: str, world_size: int, tokenizer):
     if model_config is not None:
         problems += model_problems(cfg, model_config, tokenizer)
         problems += kernel_problems(cfg, model_config)
-        problems += contract_problems(cfg, causal_lm_class(model_config), sharding)
-    problems += backend_problems(cfg, sharding) + auto_batch_problems(cfg, sharding)
+        problems += contract_problems(cfg, causal_lm_class(model_config), layout)
+    problems += backend_problems(cfg, layout) + auto_batch_problems(cfg, layout)
     if problems:
         raise ConfigError(problems, source=cfg.config_path or "config")
     return model_config
@@ -64,9 +65,9 @@ def model_problems(cfg: Config, model_config, tokenizer) -> list[str]:
     return p
 
 
-def backend_problems(cfg: Config, sharding: str) -> list[str]:
+def backend_problems(cfg: Config, layout: Layout) -> list[str]:
     """Settings the launch backend (accelerate config) cannot host."""
-    deepspeed = sharding.startswith("deepspeed")
+    deepspeed = layout.kind == "deepspeed"
     engine = [  # the engine owns its weights (ZeRO partitions) and a fixed accumulation
         f"{key} is not supported under DeepSpeed ({why}): use DDP or FSDP2, or leave it off"
         for key, on, why in (
@@ -79,11 +80,11 @@ def backend_problems(cfg: Config, sharding: str) -> list[str]:
         engine
         + guard_problems(cfg.train, engine_steps=deepspeed)
         + checkpoint_problems(cfg.checkpoint.format, cfg.checkpoint.async_save, deepspeed=deepspeed)
-        + muon_problems(cfg.optim, sharding)
+        + muon_problems(cfg.optim, layout)
     )
 
 
-def auto_batch_problems(cfg: Config, sharding: str) -> list[str]:
+def auto_batch_problems(cfg: Config, layout: Layout) -> list[str]:
     """train.micro_batch_size=auto: the pre-flight plan of this run on its GPU picks it (plan/preflight.py)."""
     import torch
 
@@ -93,7 +94,7 @@ def auto_batch_problems(cfg: Config, sharding: str) -> list[str]:
         (not torch.cuda.is_available(), "it is the largest micro-batch the plan fits in a GPU's memory, and this "
          "machine has no CUDA GPU"),
         (not cfg.train.preflight_plan, "the pre-flight plan picks it: set train.preflight_plan=true"),
-        (sharding.startswith("deepspeed"), "DeepSpeed's engine fixes its micro-batch when it is built"),
+        (layout.kind == "deepspeed", "DeepSpeed's engine fixes its micro-batch when it is built"),
         (bool(cfg.train.batch_ramp), "train.batch_ramp's stages need one micro-batch that divides each of them"),
     ]  # fmt: skip
     return [

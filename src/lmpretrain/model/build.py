@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from lmpretrain.errors import ConfigError
+from lmpretrain.layout import Layout
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -90,7 +91,7 @@ def import_model_modules(model_cfg) -> None:
         raise ConfigError(problems)
 
 
-def contract_problems(cfg, model_class: type | None, sharding: str) -> list[str]:
+def contract_problems(cfg, model_class: type | None, layout: Layout) -> list[str]:
     """What the model class must offer for the switches that are on (docs/models.md), named by the piece
     that is missing."""
     kind = cfg.model.type if not cfg.model.pretrained else cfg.model.pretrained
@@ -100,9 +101,7 @@ def contract_problems(cfg, model_class: type | None, sharding: str) -> list[str]
             f"(AutoModelForCausalLM.register(YourConfig, YourForCausalLM)) in a module listed in model.imports"
         ]
     name, p = model_class.__name__, []
-    needs_blocks = [
-        why for on, why in ((cfg.train.compile, "train.compile"), ("fsdp" in sharding, "FSDP")) if on
-    ]
+    needs_blocks = [why for on, why in ((cfg.train.compile, "train.compile"), (layout.fsdp, "FSDP")) if on]
     if needs_blocks and not getattr(model_class, "_no_split_modules", None):
         p.append(
             f"{name}._no_split_modules is empty: {' and '.join(needs_blocks)} find the transformer blocks by the "

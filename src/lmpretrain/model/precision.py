@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from lmpretrain.errors import PrecisionUnavailableError
+from lmpretrain.layout import Layout
 from lmpretrain.model.sharded_precision import check_sharded_precision
 
 DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,13 +50,13 @@ class MixedPrecision:
         """The dtype the forward's matmuls run in: the autocast dtype, else float32 (for the MFU's peak)."""
         return self.dtype or torch.float32
 
-    def check_prepared(self, model, optimizer, train, sharding: str) -> list[str]:
+    def check_prepared(self, model, optimizer, train, layout: Layout) -> list[str]:
         """After accelerator.prepare, the start-up line on what precision really runs where a wrapper owns
         it: FSDP2's mixed-precision policy (every rank: the check runs a forward of a few tokens) or the
         DeepSpeed engine's weights; none otherwise."""
-        if sharding.startswith("fsdp2"):
+        if layout.kind == "fsdp2":
             return [check_sharded_precision(model, optimizer, train)]
-        if sharding.startswith("deepspeed"):
+        if layout.kind == "deepspeed":
             return [self.check_engine_weights(model)]
         return []
 

@@ -22,13 +22,14 @@ Counting convention (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT's ``estima
 from __future__ import annotations
 
 import functools
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from lmpretrain.gpus import gpu_for_device
 
 # --------------------------------------------------------------------------------------------
 # FLOPs per token
@@ -194,54 +195,8 @@ def flops_per_token(model_config: Any, seq_len: int) -> tuple[float | None, str]
 # Peak FLOP/s
 # --------------------------------------------------------------------------------------------
 
-T = 1e12
-# Dense (no 2:4 sparsity) tensor-core peaks per GPU from NVIDIA's datasheets; "tf32" is used for
-# fp32 matmuls when torch allows TF32. Datasheets print sparse figures with a "*": those are halved.
-#   H100 / H200: nvidia.com/en-us/data-center/h100 and /h200 (datasheets, SXM / PCIe / NVL columns)
-#   A100: A100 datasheet (SXM and PCIe have the same peaks)
-#   A10: A10 datasheet.  A10G (AWS g5): no NVIDIA datasheet; AWS/NVIDIA quote 35 TF32 / 70 BF16
-#   dense -- treat as approximate.
-#   L4, L40, L40S: their datasheets.  RTX 4090: Ada whitepaper v2.1, FP16/BF16 tensor with FP32
-#   accumulate (what PyTorch uses).  V100: V100 datasheet.  T4: T4 datasheet.
-_GPU_PEAKS: dict[str, dict[str, float]] = {
-    "h100-sxm": {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T},
-    "h100-pcie": {"fp32": 51.2 * T, "tf32": 378 * T, "bf16": 756 * T, "fp16": 756 * T},
-    "h100-nvl": {"fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T},
-    "h200-sxm": {"fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T},
-    "h200-nvl": {"fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T},
-    "a100": {"fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T, "fp16": 312 * T},
-    "a10g": {"fp32": 31.2 * T, "tf32": 35 * T, "bf16": 70 * T, "fp16": 70 * T},
-    "a10": {"fp32": 31.2 * T, "tf32": 62.5 * T, "bf16": 125 * T, "fp16": 125 * T},
-    "l40s": {"fp32": 91.6 * T, "tf32": 183 * T, "bf16": 362 * T, "fp16": 362 * T},
-    "l40": {"fp32": 90.5 * T, "tf32": 90.5 * T, "bf16": 181 * T, "fp16": 181 * T},
-    "l4": {"fp32": 30.3 * T, "tf32": 60 * T, "bf16": 121 * T, "fp16": 121 * T},
-    "rtx-4090": {"fp32": 82.6 * T, "tf32": 82.6 * T, "bf16": 165.2 * T, "fp16": 165.2 * T},
-    "v100-sxm": {"fp32": 15.7 * T, "fp16": 125 * T},
-    "v100-pcie": {"fp32": 14 * T, "fp16": 112 * T},
-    "t4": {"fp32": 8.1 * T, "fp16": 65 * T},
-}
-
-# torch.cuda.get_device_name() -> table key; first match wins, so specific names come first.
-# Examples: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
-# "NVIDIA A10G", "NVIDIA L40S", "NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-16GB", "Tesla T4".
-_GPU_NAME_PATTERNS: list[tuple[str, str]] = [
-    (r"h100.*nvl", "h100-nvl"),
-    (r"h100.*(pcie|hbm2e)", "h100-pcie"),
-    (r"h100", "h100-sxm"),
-    (r"h200.*nvl", "h200-nvl"),
-    (r"h200", "h200-sxm"),
-    (r"a100", "a100"),
-    (r"a10g", "a10g"),
-    (r"\ba10\b", "a10"),
-    (r"l40s", "l40s"),
-    (r"\bl40\b", "l40"),
-    (r"\bl4\b", "l4"),
-    (r"rtx 4090", "rtx-4090"),
-    (r"v100.*sxm", "v100-sxm"),
-    (r"v100.*pcie", "v100-pcie"),
-    (r"\bt4\b", "t4"),
-]
-
+# The datasheet peaks are the one GPU table's (lmpretrain/gpus.yaml: dense figures, sources there), which the
+# planner reads too; "tf32" is used for fp32 matmuls when torch allows TF32.
 _DTYPE_NAMES = {
     torch.float32: "fp32",
     torch.bfloat16: "bf16",
@@ -267,25 +222,36 @@ def dtype_key(dtype: torch.dtype | str) -> str:
         ) from None
 
 
-def gpu_table_key(device_name: str) -> str | None:
-    """The peak-table entry for a CUDA device name, or None when it is not in the table."""
-    name = device_name.lower()
-    for pattern, key in _GPU_NAME_PATTERNS:
-        if re.search(pattern, name):
-            return key
-    return None
-
-
-def table_peak(device_name: str, dtype: torch.dtype | str, *, allow_tf32: bool = False) -> float | None:
-    """Datasheet peak FLOP/s for a GPU name and dtype, or None when unknown."""
-    key = gpu_table_key(device_name)
-    if key is None:
-        return None
+def table_dtype(dtype: torch.dtype | str, *, allow_tf32: bool = False, fp8: bool = False) -> str:
+    """The table's dtype for a run's matmuls: fp8 where train.fp8 runs torchao's float8 kernels (the blocks'
+    large Linears), tf32 for fp32 matmuls that torch lets use TF32, else the compute dtype's."""
     dt = dtype_key(dtype)
-    entry = _GPU_PEAKS[key]
-    if dt == "fp32" and allow_tf32 and "tf32" in entry:
-        dt = "tf32"
-    return entry.get(dt)
+    if fp8:
+        return "fp8"
+    return "tf32" if dt == "fp32" and allow_tf32 else dt
+
+
+def gpu_table_key(device_name: str) -> str | None:
+    """The GPU table's entry for a CUDA device name, or None when it is not in the table."""
+    gpu = gpu_for_device(device_name)
+    return gpu.key if gpu else None
+
+
+def table_peak(
+    device_name: str, dtype: torch.dtype | str, *, allow_tf32: bool = False, fp8: bool = False
+) -> float | None:
+    """Datasheet peak FLOP/s for a GPU name and dtype (see table_dtype), or None when unknown."""
+    gpu = gpu_for_device(device_name)
+    return gpu.peak_flops(table_dtype(dtype, allow_tf32=allow_tf32, fp8=fp8)) if gpu else None
+
+
+def gpu_peak(
+    device_name: str, dtype: torch.dtype | str, *, allow_tf32: bool = False, fp8: bool = False
+) -> tuple[float, str] | None:
+    """A CUDA device's peak from the GPU table and its source (`table:<entry>:<dtype>`), None when unknown."""
+    value = table_peak(device_name, dtype, allow_tf32=allow_tf32, fp8=fp8)
+    used = table_dtype(dtype, allow_tf32=allow_tf32, fp8=fp8)
+    return None if value is None else (value, f"table:{gpu_table_key(device_name)}:{used}")
 
 
 @functools.cache
@@ -326,37 +292,37 @@ def measure_peak_flops(device: str, dtype_name: str, seconds: float = 1.0, max_n
     return 2.0 * n**3 / best
 
 
-def peak_flops(device: torch.device | str, dtype: torch.dtype | str) -> tuple[float, str]:
-    """Peak FLOP/s of one device for matmuls in ``dtype``, and where the number comes from.
+def peak_flops(
+    device: torch.device | str, dtype: torch.dtype | str, *, fp8: bool = False
+) -> tuple[float, str]:
+    """Peak FLOP/s of one device for matmuls in ``dtype`` (``fp8``: torchao's float8 kernels, train.fp8), and
+    where the number comes from.
 
-    Known GPUs: datasheet table, source ``table:<entry>:<dtype>`` (``tf32`` when fp32 matmuls may
-    use TF32); unknown GPUs and CPUs: measured once per run with a large matmul, source
-    ``measured:<device>:<dtype>``.
+    Known GPUs: the GPU table, source ``table:<entry>:<dtype>`` (``tf32`` when fp32 matmuls may use TF32,
+    ``fp8`` for an fp8 run); unknown GPUs and CPUs: measured once per run with a large matmul in ``dtype``,
+    source ``measured:<device>:<dtype>`` (an fp8 run there is measured against that dtype, and says so).
     """
     device = torch.device(device)
     dt = dtype_key(dtype)
     dtype_name = str(_TORCH_DTYPES[dt]).removeprefix("torch.")
+    unmeasured = " (no fp8 peak known for it: against this dtype's)" if fp8 else ""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         allow_tf32 = (
             torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
         )
-        value = table_peak(name, dt, allow_tf32=allow_tf32)
-        if value is not None:
-            used = (
-                "tf32"
-                if dt == "fp32" and allow_tf32 and "tf32" in _GPU_PEAKS[gpu_table_key(name)]
-                else dtype_name
-            )
-            return value, f"table:{gpu_table_key(name)}:{used}"
+        known = gpu_peak(name, dt, allow_tf32=allow_tf32, fp8=fp8)
+        if known is not None:
+            return known
         # Not in the table: measure, with a matmul big enough to saturate a GPU.
-        return measure_peak_flops(str(device), dt, max_n=8192), f"measured:cuda:{name}:{dtype_name}"
+        measured = measure_peak_flops(str(device), dt, max_n=8192)
+        return measured, f"measured:cuda:{name}:{dtype_name}{unmeasured}"
     # On CPUs a 1024-square matmul for 0.3 s finds the same best rate as 2048 for 1 s (55-71 against
     # 55-65 GFLOP/s on one thread, 102-112 against 103-122 on two, this repo's 2-core machine) in ~0.3 s
     # instead of ~1.1 s of every run's start-up.
     return measure_peak_flops(
         str(device), dt, seconds=0.3, max_n=1024
-    ), f"measured:{device.type}:{dtype_name}"
+    ), f"measured:{device.type}:{dtype_name}{unmeasured}"
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak: float, num_devices: int = 1) -> float:
@@ -381,25 +347,25 @@ class MFUMeter:
 
     @classmethod
     def for_run(
-        cls,
-        model_config: Any,
-        seq_len: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        extra_matmul_params: int = 0,
+        cls, model_config: Any, cfg, device: torch.device, dtype: torch.dtype, extra_matmul_params: int = 0
     ) -> MFUMeter:
-        """`extra_matmul_params`: weights the objective uses as matmuls per token beyond the model's
-        forward (a fork's auxiliary modules, `LMObjective.extra_matmul_params`), 6 FLOPs each per token."""
-        flops, source = flops_per_token(model_config, seq_len)
+        """The run's (cfg: its Config) FLOPs per token at data.seq_len, and the peak of the matmuls it runs:
+        `dtype`'s, or with train.fp8 the fp8 peak (torchao's float8 kernels run the blocks' large Linears).
+        `extra_matmul_params`: weights the objective uses as matmuls per token beyond the model's forward (a
+        fork's auxiliary modules, `LMObjective.extra_matmul_params`), 6 FLOPs each per token."""
+        flops, source = flops_per_token(model_config, cfg.data.seq_len)
         if flops is not None and extra_matmul_params:
             flops += 6.0 * extra_matmul_params
             source += f" + 6 x {extra_matmul_params:,} weights of the objective's auxiliary modules"
-        return cls(flops, source, *peak_flops(device, dtype))
+        return cls(flops, source, *peak_flops(device, dtype, fp8=cfg.train.fp8 != "none"))
 
     def describe(self) -> str:
         if self.flops_per_token is None:
             return f"WARNING: {self.flops_source}"
-        return f"training FLOPs per token: {self.flops_per_token:.4g} ({self.flops_source})"
+        return (
+            f"training FLOPs per token: {self.flops_per_token:.4g} ({self.flops_source}); perf/mfu against a "
+            f"peak of {self.peak:.4g} FLOP/s ({self.peak_source})"
+        )
 
     def facts(self) -> dict:
         """For the run config: both numbers and where they come from."""

@@ -1,39 +1,20 @@
-"""What an accelerate launch config says about the processes and the wrapping, as the planner needs it."""
+"""An accelerate launch config read as the run's Layout (lmpretrain/layout.py), with --num_processes /
+--num_machines overriding it as in accelerate; and a Layout written back as a launch config, which is how the
+CUDA pre-flight hands its own launch to `python -m lmpretrain.plan`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from lmpretrain.layout import Layout
 from lmpretrain.plan.hardware import PlanError
 from lmpretrain.run.runtime import DEEPSPEED_STAGES, mesh_size_problem
 
 
-@dataclass(frozen=True)
-class Launch:
-    wrapping: str  # none | ddp | fsdp2 | zero1 | zero2
-    num_processes: int
-    num_machines: int
-    reshard_after_forward: bool = True
-    replicas: int = 1  # HSDP: replica groups of num_processes // replicas shards (parallelism_config)
-
-    @property
-    def shards(self) -> int:
-        """The ranks that share one copy of the parameters (all of them, unless HSDP replicates)."""
-        return self.num_processes // self.replicas
-
-    @property
-    def sharding(self) -> str:
-        """The recipe's name for it (RuntimeInfo.sharding), which its pre-flight rules read."""
-        return {"none": "none", "ddp": "ddp (replicated)", "fsdp2": "fsdp2"}.get(
-            self.wrapping, f"deepspeed-{self.wrapping}"
-        )
-
-
-def read_launch(config_file: str | None, num_processes: int | None, num_machines: int | None) -> Launch:
-    """The launch config's wrapping, with --num_processes / --num_machines overriding it as in accelerate."""
+def read_launch(config_file: str | None, num_processes: int | None, num_machines: int | None) -> Layout:
+    """The launch config's layout, with --num_processes / --num_machines overriding it as in accelerate."""
     data: dict = {}
     if config_file is not None:
         path = Path(config_file)
@@ -48,12 +29,13 @@ def read_launch(config_file: str | None, num_processes: int | None, num_machines
             raise PlanError(f"--config_file {config_file} is not valid YAML: {err}") from None
         if not isinstance(data, dict):
             raise PlanError(f"--config_file {config_file}: expected an accelerate launch config mapping")
-    world = int(num_processes or data.get("num_processes") or 1)
-    machines = int(num_machines or data.get("num_machines") or 1)
-    if world < 1 or machines < 1 or world % machines:
+    world = _count("num_processes", num_processes, data, config_file)
+    machines = _count("num_machines", num_machines, data, config_file)
+    if world % machines:
         raise PlanError(
-            f"--num_processes={world} must be a positive multiple of --num_machines={machines} "
-            "(num_processes is the total over all machines, as in accelerate)"
+            f"--num_processes={world} is not a multiple of --num_machines={machines}: num_processes is the "
+            "total over all machines, as in accelerate (e.g. 8 machines x 8 GPUs: --num_processes 64 "
+            "--num_machines 8)"
         )
     kind = str(data.get("distributed_type", "NO" if world == 1 else "MULTI_GPU")).upper()
     if kind == "FSDP":
@@ -64,7 +46,8 @@ def read_launch(config_file: str | None, num_processes: int | None, num_machines
                 f"--config_file {config_file}: fsdp_version {version}; the planner plans FSDP2 (fsdp_version: 2)"
             )
         replicas = _replica_groups(data.get("parallelism_config") or {}, world, config_file)
-        return Launch("fsdp2", world, machines, bool(fsdp.get("fsdp_reshard_after_forward", True)), replicas)
+        reshard = bool(fsdp.get("fsdp_reshard_after_forward", True))
+        return Layout("fsdp2", world, machines, replicas, reshard_after_forward=reshard)
     if kind == "DEEPSPEED":
         stage = int((data.get("deepspeed_config") or {}).get("zero_stage", 0))
         if stage not in DEEPSPEED_STAGES:
@@ -72,8 +55,45 @@ def read_launch(config_file: str | None, num_processes: int | None, num_machines
                 f"--config_file {config_file}: DeepSpeed ZeRO stage {stage}; the recipe runs stages "
                 f"{DEEPSPEED_STAGES} (use configs/accelerate/fsdp.yaml to shard parameters)"
             )
-        return Launch(f"zero{stage}", world, machines)
-    return Launch("none" if world == 1 else "ddp", world, machines)
+        return Layout("deepspeed", world, machines, zero_stage=stage)
+    return Layout("none" if world == 1 else "ddp", world, machines)
+
+
+def _count(name: str, flag: int | None, data: dict, config_file: str | None) -> int:
+    """--num_processes / --num_machines, else the launch config's, else 1: a whole number of at least 1."""
+    value, where = flag, f"--{name}={flag}"
+    if flag is None:
+        value, where = data.get(name), f"{config_file}: {name}={data.get(name)}"
+        value = 1 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{where}: must be a whole number of at least 1 (the {name.removeprefix('num_')})")
+    return value
+
+
+def launch_config(layout: Layout) -> dict:
+    """The accelerate launch config of `layout` (what read_launch reads back as the same Layout)."""
+    config: dict = {"num_processes": layout.num_processes, "num_machines": layout.num_machines}
+    if layout.kind == "fsdp2":
+        config["distributed_type"] = "FSDP"
+        config["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": layout.reshard_after_forward,
+        }
+        if layout.hsdp:
+            config["parallelism_config"] = {
+                "parallelism_config_dp_replicate_size": layout.replicas,
+                "parallelism_config_dp_shard_size": layout.shards,
+            }
+    elif layout.kind == "deepspeed":
+        config["distributed_type"] = "DEEPSPEED"
+        config["deepspeed_config"] = {"zero_stage": layout.zero_stage}
+    elif layout.kind in ("none", "ddp"):
+        config["distributed_type"] = "NO" if layout.kind == "none" else "MULTI_GPU"
+    else:
+        raise PlanError(
+            f"the planner plans FSDP2, DDP and DeepSpeed ZeRO-1/2 launches, not {layout.describe()}"
+        )
+    return config
 
 
 def _replica_groups(parallelism: dict, world: int, config_file: str | None) -> int:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lmpretrain.config import Config, config_problems, derive_accumulation
+from lmpretrain.config import Config, config_problems, derive_accumulation, fork_sections
 from lmpretrain.errors import ConfigError
-from lmpretrain.model.build import build_model_config
-from lmpretrain.observe.flops import flops_per_token
-from lmpretrain.plan.hardware import GPU, PlanError
-from lmpretrain.plan.launch import Launch
+from lmpretrain.gpus import GPU
+from lmpretrain.layout import Layout
+from lmpretrain.model.build import build_model_config, import_model_modules
+from lmpretrain.observe.flops import flops_per_token, table_dtype
+from lmpretrain.plan.hardware import PlanError
 from lmpretrain.plan.roofline import OVERLAP, Timing, step_time
 from lmpretrain.plan.simulate import Step, simulate
 from lmpretrain.preflight import backend_problems
@@ -23,7 +24,7 @@ _STAND_INS = {"flash_attention_2": "sdpa", "flex_attention": "sdpa"}
 @dataclass
 class Plan:
     cfg: Config
-    launch: Launch
+    launch: Layout
     gpu: GPU
     memory_fraction: float
     step: Step
@@ -43,9 +44,12 @@ class Plan:
         return self.tokens_per_step_per_gpu / self.timing.step_s
 
     @property
+    def peak_dtype(self) -> str:
+        return peak_dtype(self.cfg)
+
+    @property
     def mfu(self) -> float:
-        fp8 = self.cfg.train.fp8 != "none"
-        return self.tokens_per_s_per_gpu * self.model_flops_per_token / self.gpu.peak_flops(fp8)
+        return self.tokens_per_s_per_gpu * self.model_flops_per_token / self.gpu.peak_flops(self.peak_dtype)
 
     def to_json(self) -> dict:
         s = self.step
@@ -70,12 +74,34 @@ class Plan:
         }
 
 
-def check_config(cfg: Config, launch: Launch) -> None:
+def check_config(cfg: Config, launch: Layout) -> None:
     """The recipe's own rules for this world size and backend (batch arithmetic, streams per rank, Muon
     under DeepSpeed, ...): one ConfigError naming each, exit 2."""
-    problems = config_problems(cfg, launch.num_processes) + backend_problems(cfg, launch.sharding)
+    problems = config_problems(cfg, launch.num_processes) + backend_problems(cfg, launch)
     if problems:
         raise ConfigError(problems, source=f"{cfg.config_path} at {launch.num_processes} processes")
+
+
+def peak_dtype(cfg: Config) -> str:
+    """The dtype of the run's matmuls, whose peak times the step and is the MFU's basis as in the recipe's MFU
+    (observe/flops.py): the precision's, fp8 with train.fp8."""
+    return table_dtype(cfg.train.precision, fp8=cfg.train.fp8 != "none")
+
+
+def check_hardware(cfg: Config, launch: Layout, gpu: GPU) -> None:
+    """The launch must fit the GPU's machines, and the GPU must run the config's matmuls."""
+    if launch.ranks_per_machine > gpu.gpus_per_node:
+        raise PlanError(
+            f"{launch.num_processes} processes on {launch.num_machines} machine(s) is {launch.ranks_per_machine} "
+            f"GPUs per machine, but one {gpu.key} machine holds {gpu.gpus_per_node} (gpus_per_node): pass "
+            f"--num_machines {-(-launch.num_processes // gpu.gpus_per_node)}"
+        )
+    dtype = peak_dtype(cfg)
+    if gpu.peak_flops(dtype) is None:
+        raise PlanError(
+            f"--gpu {gpu.key}: {gpu.name} has no {dtype} peak in the GPU table (its tensor cores do not run "
+            f"{dtype} matmuls), which train.precision={cfg.train.precision}, train.fp8={cfg.train.fp8} need"
+        )
 
 
 def largest_micro_batch(step: Step, micro_batch: int, budget: float) -> int:
@@ -97,11 +123,18 @@ def batch_split(rows_per_rank: int, max_micro: int) -> tuple[int, int] | None:
     return None
 
 
-def make_plan(cfg: Config, launch: Launch, gpu: GPU, memory_fraction: float = 0.9) -> Plan:
+def make_plan(cfg: Config, launch: Layout, gpu: GPU, memory_fraction: float = 0.9) -> Plan:
     if not 0 < memory_fraction <= 1:
         raise PlanError(f"--memory_fraction={memory_fraction} must be in (0, 1]")
+    check_hardware(cfg, launch, gpu)
     check_config(cfg, launch)
+    import_model_modules(cfg.model)  # a fork's model classes register with the Auto classes, as in the recipe
     notes = []
+    if fork_sections(cfg):
+        notes.append(
+            f"a fork's config sections ({', '.join(fork_sections(cfg))}) are read, not simulated: the step runs the "
+            "recipe's objective, without a fork's own loss terms or auxiliary modules"
+        )
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train))  # resolved below, the caller's kept
     derive_accumulation(cfg.train, launch.num_processes)  # train.global_batch_size
     if cfg.train.micro_batch_size == "auto":  # what the recipe's pre-flight resolves on its GPU
@@ -129,9 +162,8 @@ def make_plan(cfg: Config, launch: Launch, gpu: GPU, memory_fraction: float = 0.
         notes.append("train.loss_impl=liger simulated as chunked (the same never-whole logits)")
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_impl="chunked"))
     model_config = build_model_config(cfg.model)  # no tokenizer: the vocabulary is the model config's
-    step = simulate(cfg, model_config, launch, cfg.train.micro_batch_size)
-    accum, fp8 = cfg.train.grad_accum_steps, cfg.train.fp8 != "none"
-    timing = step_time(step, gpu, launch.num_processes, accum, fp8, launch.shards)
+    step = simulate(cfg, model_config, launch, cfg.train.micro_batch_size, gpu=gpu)
+    timing = step_time(step, gpu, launch, cfg.train.grad_accum_steps, peak_dtype(cfg))
     per_token, _ = flops_per_token(
         model_config, cfg.data.seq_len
     )  # the recipe's MFU basis (observe/flops.py)
@@ -160,12 +192,10 @@ def format_plan(plan: Plan) -> str:
     s, t, cfg, launch, gpu = plan.step, plan.timing, plan.cfg, plan.launch, plan.gpu
     budget = plan.memory_fraction * gpu.memory_bytes
     tr = cfg.train
-    hsdp = f", HSDP: {launch.replicas} replica groups x {launch.shards} shards" if launch.replicas > 1 else ""
     lines = [
         f"plan: {cfg.config_path} on {launch.num_processes} x {gpu.key} ({gpu.name}), {launch.num_machines} "
-        f"machine(s), wrapping {launch.wrapping}"
-        + (f" (reshard_after_forward={launch.reshard_after_forward})" if launch.wrapping == "fsdp2" else "")
-        + hsdp,
+        f"machine(s), sharding={launch.describe()}"
+        + (f" (reshard_after_forward={launch.reshard_after_forward})" if launch.kind == "fsdp2" else ""),
         f"  step: micro {tr.micro_batch_size} x accum {tr.grad_accum_steps} x {launch.num_processes} ranks x "
         f"{cfg.data.seq_len} tokens = {cfg.global_batch(launch.num_processes) * cfg.data.seq_len:,} tokens; "
         f"precision {tr.precision}, optimizer {cfg.optim.name}, activation checkpointing "
@@ -195,7 +225,8 @@ def format_plan(plan: Plan) -> str:
         "FLOPs per step per rank (torch FlopCounterMode, executed: recomputation included):",
         f"  forward {f['forward']:.4g}  backward {f['backward']:.4g}  optimizer {f['optimizer']:.4g}"
         " (Newton-Schulz matmuls; AdamW's elementwise work is not counted)",
-        f"roofline ({gpu.key}): compute {t.compute_s * 1e3:.1f} ms, HBM {t.hbm_s * 1e3:.1f} ms, "
+        f"roofline ({gpu.key}, {plan.peak_dtype} peak {gpu.peak_flops(plan.peak_dtype) / 1e12:g} TFLOP/s): compute "
+        f"{t.compute_s * 1e3:.1f} ms, HBM {t.hbm_s * 1e3:.1f} ms, "
         f"collectives at {t.link}",
         f"  overlap: {OVERLAP}; exposed {t.exposed_comm_s * 1e3:.1f} ms",
         f"  step {t.step_s:.3f} s, {plan.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {plan.mfu:.1%} "

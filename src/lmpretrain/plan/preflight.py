@@ -1,26 +1,80 @@
 """Pre-flight on CUDA: plan the run on this GPU before the model is built, and stop a run whose planned peak
 exceeds the device's memory, naming the micro-batch that fits (train.preflight_plan; CPU runs skip it).
 
-The plan runs in a CPU-only subprocess on the main process (the recipe's own process group must not see the
-fake one), from the resolved config as the run saves it; every rank gets the same verdict.
+The plan is `python -m lmpretrain.plan` of the very launch it guards: the resolved config as the run saves it
+(precision, EMA, Muon/NorMuon, model.imports, a fork's own sections), the run's Layout written back as an
+accelerate launch config (world size, machines, FSDP2/HSDP/DDP/DeepSpeed), and this GPU's entry of the GPU
+table with its real memory. It runs in a CPU-only subprocess of the main process (the recipe's own process
+group must not see the fake one); every rank gets the same verdict.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from lmpretrain.config import save_config
+from lmpretrain.config import fork_sections, save_config
+from lmpretrain.gpus import GPU, UNKNOWN, gpu_for_device
+from lmpretrain.layout import Layout
 from lmpretrain.plan.hardware import PlanError
+from lmpretrain.plan.launch import launch_config
 from lmpretrain.run.runtime import set_grad_accum
 
-_LAUNCH = {"fsdp2": "FSDP", "deepspeed-zero1": "DEEPSPEED", "deepspeed-zero2": "DEEPSPEED"}
+
+@dataclass(frozen=True)
+class Device:
+    """What the pre-flight needs of the GPU it runs on: its name (which picks its GPU table entry) and memory."""
+
+    name: str
+    memory_bytes: int
+
+    @classmethod
+    def current(cls) -> Device:
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return cls(props.name, props.total_memory)
+
+
+def gpu_file(device: Device, layout: Layout) -> dict:
+    """The plan's --gpu file: this device's entry of the GPU table (gpus.UNKNOWN's round figures for one the
+    table lacks), with its real memory and the launch's GPUs per machine."""
+    gpu = gpu_for_device(device.name) or UNKNOWN
+    entry = {f.name: getattr(gpu, f.name) for f in dataclasses.fields(GPU) if f.name not in ("key", "match")}
+    entry |= {"name": device.name, "memory_gib": device.memory_bytes / 2**30}
+    entry["gpus_per_node"] = max(gpu.gpus_per_node, layout.ranks_per_machine)
+    return {gpu.key: entry}
+
+
+def plan_command(cfg, layout: Layout, device: Device, folder: Path) -> list[str]:
+    """`python -m lmpretrain.plan` of this run on this device, its files written into `folder`."""
+    save_config(cfg, folder / "config.yaml")
+    (folder / "launch.yaml").write_text(yaml.safe_dump(launch_config(layout)))
+    (folder / "gpu.yaml").write_text(yaml.safe_dump(gpu_file(device, layout)))
+    command = [sys.executable, "-m", "lmpretrain.plan", str(folder / "config.yaml")]
+    command += ["--config_file", str(folder / "launch.yaml"), "--gpu", str(folder / "gpu.yaml")]
+    command += ["--json", str(folder / "plan.json")]
+    if fork_sections(cfg):
+        command += ["--sections", ",".join(fork_sections(cfg))]
+    return command
+
+
+def plan_here(cfg, layout: Layout, device: Device, folder: Path) -> dict:
+    """The plan's numbers (its --json) of this run on `device`; RuntimeError with the planner's last line when
+    it cannot be made. The subprocess sees no GPU and the modules this process can import (model.imports)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run(plan_command(cfg, layout, device, folder), env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError((done.stderr.strip().splitlines() or ["no output"])[-1])
+    return json.loads((folder / "plan.json").read_text())
 
 
 def verdict(plan: dict, memory_bytes: float, cfg) -> str | None:
@@ -39,79 +93,40 @@ def verdict(plan: dict, memory_bytes: float, cfg) -> str | None:
         else "no micro-batch fits: shard with FSDP2, set train.activation_checkpointing=true or shorten data.seq_len"
     )
     return (
-        f"the plan of this run peaks at {peak / 2**30:.1f} GiB per GPU, more than this GPU's "
-        f"{memory_bytes / 2**30:.1f} GiB (python -m lmpretrain.plan shows where): {fix}; "
-        "train.preflight_plan=false skips this check"
+        f"the plan of this run peaks at {_size(peak)} per GPU, more than this GPU's {_size(memory_bytes)} "
+        f"(python -m lmpretrain.plan shows where): {fix}; train.preflight_plan=false skips this check"
     )
 
 
-def _plan_here(cfg, sharding: str, world: int, local_world: int, folder: Path) -> dict:
-    import torch
-
-    from lmpretrain.observe.flops import table_peak
-
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    gpu = {
-        "this": {
-            "name": props.name,
-            "memory_gib": props.total_memory / 2**30,
-            "bf16_tflops": (table_peak(props.name, "bf16") or 989.4e12) / 1e12,
-            "fp8_tflops": None,
-            "hbm_gbps": 3350,  # timing is not what this check is for
-            "intra_node_gbps": 450,
-            "inter_node_gbps": 50,
-            "gpus_per_node": local_world,
-        }
-    }
-    kind = sharding.split()[0]
-    launch = {
-        "distributed_type": _LAUNCH.get(kind, "MULTI_GPU" if world > 1 else "NO"),
-        "num_processes": world,
-    }
-    launch["num_machines"] = max(1, world // local_world)
-    if kind == "fsdp2":
-        reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "0")
-        launch["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": reshard}
-    elif kind.startswith("deepspeed"):
-        launch["deepspeed_config"] = {"zero_stage": int(kind[-1])}
-    save_config(cfg, folder / "config.yaml")
-    (folder / "gpu.yaml").write_text(yaml.safe_dump(gpu))
-    (folder / "launch.yaml").write_text(yaml.safe_dump(launch))
-    command = [sys.executable, "-m", "lmpretrain.plan", str(folder / "config.yaml"), "--config_file"]
-    command += [
-        str(folder / "launch.yaml"),
-        "--gpu",
-        str(folder / "gpu.yaml"),
-        "--json",
-        str(folder / "plan.json"),
-    ]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the plan simulates on the CPU
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError((done.stderr.strip().splitlines() or ["no output"])[-1])
-    return json.loads((folder / "plan.json").read_text())
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def check_plan_fits(cfg, info, accelerator, say) -> None:
+def check_plan_fits(cfg, info, accelerator, say, device: Device | None = None) -> None:
     """On CUDA with train.preflight_plan: plan, say the planned peak, and stop (every rank) if it cannot fit;
-    train.micro_batch_size=auto takes the plan's largest micro-batch that divides the rows per step."""
-    if accelerator.device.type != "cuda" or not cfg.train.preflight_plan:
+    train.micro_batch_size=auto takes the plan's largest micro-batch that divides the rows per step.
+    `device`: the GPU to plan for, where this process has none (tests); default: this CUDA device."""
+    if not cfg.train.preflight_plan or (device is None and accelerator.device.type != "cuda"):
         return
-    import torch
     from accelerate.utils import broadcast_object_list
 
     from lmpretrain.plan.planner import batch_split  # the simulator's imports only where a plan is made
 
     result: list = [None, None, None]
     if accelerator.is_main_process:
+        device = device or Device.current()
         try:
             with tempfile.TemporaryDirectory() as folder:
-                plan = _plan_here(cfg, info.sharding, info.world_size, info.local_world_size, Path(folder))
-            memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+                plan = plan_here(cfg, info.layout, device, Path(folder))
             rows = cfg.global_batch(info.world_size) // info.world_size
             split = batch_split(rows, plan["max_micro_batch"])
-            result = [plan["per_rank_bytes"]["total_peak"], verdict(plan, memory, cfg), split]
-        except (RuntimeError, OSError, ValueError) as err:  # a plan that cannot be made must not stop a run
+            result = [plan["per_rank_bytes"]["total_peak"], verdict(plan, device.memory_bytes, cfg), split]
+        except (
+            PlanError,
+            RuntimeError,
+            OSError,
+            ValueError,
+        ) as err:  # a plan that cannot be made must not stop a run
             result = [None, f"skipped ({err})", None]
     broadcast_object_list(result)
     peak, problem, split = result
@@ -134,4 +149,4 @@ def check_plan_fits(cfg, info, accelerator, say) -> None:
         return
     if problem:
         raise PlanError(problem)
-    say(f"memory plan: peak {peak / 2**30:.1f} GiB per GPU (python -m lmpretrain.plan); it fits")
+    say(f"memory plan: peak {_size(peak)} per GPU (python -m lmpretrain.plan); it fits")

@@ -31,11 +31,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from lmpretrain.gpus import GPU
+from lmpretrain.layout import Layout
 from lmpretrain.model.build import build_model
 from lmpretrain.model.objective import LMObjective, install_loss_forward, weighted_sum
 from lmpretrain.model.speed import enable_activation_checkpointing, fuse_gelu_tanh
 from lmpretrain.observe.collectives import KINDS, CollectiveBytes
-from lmpretrain.plan.launch import Launch
 from lmpretrain.update.optim import build_optimizer
 
 PRECISIONS = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -167,7 +168,7 @@ def fake_process_group(world: int):
         dist.destroy_process_group()
 
 
-def _fsdp2(model, cfg, launch: Launch, world: int):
+def _fsdp2(model, cfg, launch: Layout, world: int):
     """Shard as the recipe's accelerate does: its fsdp2_prepare_model with the recipe's plugin settings."""
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
@@ -200,27 +201,31 @@ def _fsdp2(model, cfg, launch: Launch, world: int):
 
 
 @contextlib.contextmanager
-def _gradient_sync(model, launch: Launch, sync: bool):
+def _gradient_sync(model, launch: Layout, sync: bool):
     """accelerate.accumulate's no-sync for the micro-batches before the last (FSDP2: unsharded grads kept)."""
-    if launch.wrapping == "fsdp2":
+    if launch.kind == "fsdp2":
         model.set_requires_gradient_sync(sync)
     yield
 
 
-def simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool = True) -> Step:
-    """One step of `cfg` at `micro_batch` rows per micro-batch, as rank 0 of launch.num_processes."""
+def simulate(
+    cfg, model_config, launch: Layout, micro_batch: int, *, fake: bool = True, gpu: GPU | None = None
+) -> Step:
+    """One step of `cfg` at `micro_batch` rows per micro-batch, as rank 0 of launch.num_processes; `gpu`: the
+    target, whose roofline decides Muon's spread (optim.muon_spread=auto) as on it (None: this CPU's, as a
+    CPU run decides)."""
     with fake_process_group(launch.num_processes):
-        return _simulate(cfg, model_config, launch, micro_batch, fake=fake)
+        return _simulate(cfg, model_config, launch, micro_batch, fake=fake, gpu=gpu)
 
 
-def _simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool) -> Step:
+def _simulate(cfg, model_config, launch: Layout, micro_batch: int, *, fake: bool, gpu: GPU | None) -> Step:
     world = launch.num_processes
     # Garbage of earlier work in this process, freed by the collector during the tracked step, would be
     # booked by the real-mode tracker (default.yaml with checkpointing: 106-119 MB of activations and
     # temporaries by what ran before; 115 MB after a collection, every time).
     gc.collect()
     mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
-    deepspeed = launch.wrapping.startswith("zero")
+    deepspeed = launch.kind == "deepspeed"
     dtype = PRECISIONS[cfg.train.precision]
     with mode:
         model = build_model(model_config, None, cfg.train.param_dtype)
@@ -232,17 +237,19 @@ def _simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool
             model.to(dtype)
         # Built before wrapping, as in the recipe (Muon finds the blocks by their class names, which FSDP2
         # changes); then pointed at the sharded parameters, as accelerate's prepare does.
-        optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
-        if launch.wrapping == "fsdp2":
+        optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"), launch, gpu)
+        if launch.kind == "fsdp2":
             names = {id(p): n for n, p in model.named_parameters()}
             groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
             model = _fsdp2(model, cfg, launch, world)
             sharded = dict(model.named_parameters())
             for group, group_names in zip(optimizer.param_groups, groups, strict=True):
                 group["params"][:] = [sharded[n] for n in group_names]
-        objective = LMObjective.from_config(cfg, model_config.eos_token_id)
+        # No tokenizer here: the model config's EOS id, or any id for a fork's config without one (which id ends
+        # a document changes no shape).
+        objective = LMObjective.from_config(cfg, getattr(model_config, "eos_token_id", None) or 0)
         ids = torch.randint(0, model_config.vocab_size, (micro_batch, cfg.data.seq_len))
-        if launch.wrapping == "fsdp2":
+        if launch.kind == "fsdp2":
             tracker = _FSDPTracker(model, optimizer)
             tracker.track_inputs((ids,))
         else:
@@ -269,7 +276,7 @@ def _simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool
         # smoke-shaped step counted 2.5x the all-gather bytes of a real recipe run under it), so under FSDP2
         # the micro-batches' collectives are counted on an untracked pass of the same micro-batches first.
         untracked = None
-        if launch.wrapping == "fsdp2":
+        if launch.kind == "fsdp2":
             untracked = [micro_batch(sync)[0] for sync in kinds]
             model.zero_grad(set_to_none=True)
         tracked = []
@@ -346,7 +353,7 @@ def _simulate(cfg, model_config, launch: Launch, micro_batch: int, *, fake: bool
     return wrap_arithmetic(step_bytes, launch, cfg)
 
 
-def wrap_arithmetic(step: Step, launch: Launch, cfg) -> Step:
+def wrap_arithmetic(step: Step, launch: Layout, cfg) -> Step:
     """DDP and DeepSpeed ZeRO-1/2, which the simulation runs unwrapped, as arithmetic on its bytes.
 
     DDP (torch's defaults, as accelerate passes them: gradient_as_bucket_view=False): gradient buckets as large
@@ -359,15 +366,15 @@ def wrap_arithmetic(step: Step, launch: Launch, cfg) -> Step:
     multi-rank bucket all-reduce) and the updated weights all-gathered.
     """
     world = launch.num_processes
-    if launch.wrapping == "ddp":
+    if launch.kind == "ddp":
         step.buffers += step.grads
         step.total_peak += step.grads
         step.comm["all_reduce"] += 2 * step.grads * (world - 1) / world
-    elif launch.wrapping.startswith("zero"):
+    elif launch.kind == "deepspeed":
         fp32 = 4
         parts = [-(-n // (2 * world)) * 2 for n in step.group_values]  # values per rank, per group
         optimizer = sum(3 * fp32 * n + fp32 for n in parts)  # masters, 2 moments; the step counter
-        grads = sum(fp32 * n for n in parts) if launch.wrapping == "zero2" else step.grads
+        grads = sum(fp32 * n for n in parts) if launch.zero_stage == 2 else step.grads
         step.total_peak += optimizer - step.optimizer + grads - step.grads
         step.comm["all_reduce"] += 2 * step.grads * (world - 1) / world
         step.comm["all_gather"] += step.params * (world - 1) / world

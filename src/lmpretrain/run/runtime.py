@@ -13,6 +13,7 @@ absent (`_leave_deepspeed_unimported`).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -36,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lmpretrain.config import derive_accumulation
 from lmpretrain.errors import LaunchError, UserError
 from lmpretrain.launch import report_user_error
+from lmpretrain.layout import Layout
 from lmpretrain.run.preemption import watch_launcher
 from lmpretrain.run.process_group import process_group_kwargs, restart_count
 
@@ -46,23 +48,37 @@ DEEPSPEED_STAGES = (1, 2)
 
 @dataclass
 class RuntimeInfo:
-    world_size: int
+    layout: Layout  # how the run is laid out over its processes (lmpretrain/layout.py)
     rank: int
-    local_world_size: int
     distributed_type: str
     backend: str | None
     device: str
     threads: int
-    sharding: str
     restarts: int = 0  # torch elastic's restarts of this launch's process group so far
     max_restarts: int = 0
-    replicas: int = 1  # HSDP's replica groups (parallelism_config's dp_replicate_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.num_processes
+
+    @property
+    def local_world_size(self) -> int:
+        return self.layout.ranks_per_machine
 
     def describe(self) -> str:
+        sharding = self.layout.describe()
+        if self.layout.fsdp and self.device.split(":")[0] == "cpu":
+            sharding += " (accelerate's FSDP2 over gloo, switched on by the recipe on cpu)"
         return (
             f"world_size={self.world_size} distributed_type={self.distributed_type} backend={self.backend} "
-            f"device={self.device} threads/process={self.threads} sharding={self.sharding}"
+            f"device={self.device} threads/process={self.threads} sharding={sharding}"
         )
+
+    def facts(self) -> dict:
+        """For the run config (W&B, metrics): the processes and how the run is laid out over them."""
+        facts = {k: v for k, v in vars(self).items() if k != "layout"}
+        sharding = {"sharding": self.layout.describe(), "layout": dataclasses.asdict(self.layout)}
+        return {"world_size": self.world_size, "local_world_size": self.local_world_size, **facts, **sharding}
 
     def startup_lines(self) -> list[str]:
         """The run's first lines: the processes, and on a restart which one it is."""
@@ -351,35 +367,33 @@ def check_deepspeed(ds_config: dict, train) -> None:
 
 
 def describe_runtime(accelerator: Accelerator, threads: int) -> RuntimeInfo:
-    dtype = accelerator.distributed_type
-    parallelism = accelerator.parallelism_config
-    replicas = parallelism.dp_replicate_size if parallelism and parallelism.dp_replicate_enabled else 1
-    sharding = "none"
-    if dtype == DistributedType.FSDP:
-        plugin = accelerator.state.fsdp_plugin
-        sharding = f"fsdp{getattr(plugin, 'fsdp_version', 1)}"
-        if replicas > 1:
-            shards = accelerator.num_processes // replicas
-            sharding += f" HSDP: {replicas} replica groups x {shards} shards (parallelism_config)"
-        if accelerator.device.type == "cpu":
-            sharding += " (accelerate's FSDP2 over gloo, switched on by the recipe on cpu)"
-    elif dtype == DistributedType.DEEPSPEED:
-        sharding = f"deepspeed-zero{accelerator.state.deepspeed_plugin.zero_stage}"
-    elif accelerator.num_processes > 1:
-        sharding = "ddp (replicated)"
     return RuntimeInfo(
-        world_size=accelerator.num_processes,
+        layout=layout_of(accelerator),
         rank=accelerator.process_index,
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        distributed_type=dtype.value,
+        distributed_type=accelerator.distributed_type.value,
         backend=dist.get_backend() if dist.is_initialized() else None,
         device=str(accelerator.device),
         threads=threads,
-        sharding=sharding,
         restarts=restart_count(),
         max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
-        replicas=replicas,
     )
+
+
+def layout_of(accelerator: Accelerator) -> Layout:
+    """What this launch really runs, read from the prepared Accelerator (not from the launch config, which a
+    degraded launch does not follow); machines from torchrun's ranks per machine (LOCAL_WORLD_SIZE)."""
+    dtype, world = accelerator.distributed_type, accelerator.num_processes
+    machines = max(1, world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if dtype == DistributedType.FSDP:
+        parallelism = accelerator.parallelism_config
+        replicas = parallelism.dp_replicate_size if parallelism and parallelism.dp_replicate_enabled else 1
+        plugin = accelerator.state.fsdp_plugin
+        if getattr(plugin, "fsdp_version", 1) != 2:  # FSDP1's reshard_after_forward is a sharding strategy
+            return Layout("fsdp1", world, machines)
+        return Layout("fsdp2", world, machines, replicas, reshard_after_forward=plugin.reshard_after_forward)
+    if dtype == DistributedType.DEEPSPEED:
+        return Layout("deepspeed", world, machines, zero_stage=accelerator.state.deepspeed_plugin.zero_stage)
+    return Layout("ddp" if world > 1 else "none", world, machines)
 
 
 def setup(

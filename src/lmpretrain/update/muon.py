@@ -30,7 +30,8 @@ from torch.optim._muon import _adjust_lr
 from transformers.pytorch_utils import Conv1D
 
 from lmpretrain.errors import ConfigError
-from lmpretrain.update.muon_spread import orthogonalised, replica_count, spread_decision
+from lmpretrain.layout import Layout
+from lmpretrain.update.muon_spread import SpreadRates, orthogonalised, replica_count, spread_decision
 from lmpretrain.update.newton_schulz import batches, iteration_dtype
 from lmpretrain.update.normuon import SECOND_MOMENT, normalise_neurons, second_moment_like
 
@@ -146,7 +147,9 @@ class MuonAdamW(torch.optim.Optimizer):
     The AdamW runs as an inner torch.optim.AdamW over the same group dicts and the same state, so the
     schedule's lr, a resumed config's hyper-parameters and a loaded checkpoint reach both."""
 
-    def __init__(self, groups: list[dict], adamw: dict):
+    def __init__(self, groups: list[dict], adamw: dict, spread_rates: SpreadRates | None = None):
+        # the roofline optim.muon_spread=auto weighs (muon_spread.spread_rates; None: the device type's)
+        self.spread_rates = spread_rates
         for group in groups:
             group.setdefault("kind", "adamw")
         super().__init__(groups, defaults={})
@@ -197,6 +200,7 @@ class MuonAdamW(torch.optim.Optimizer):
             isinstance(updates[0], DTensor),
             _local_device(updates[0]),
             replica_count(updates[0]),
+            self.spread_rates,
         )
         orthos = orthogonalised(updates, groups, spread.ranks, spread.replicas)
         normed = [i for i, g in enumerate(groups) if g["normuon"]]
@@ -236,12 +240,12 @@ def _local_device(t: torch.Tensor) -> torch.device:
     return t.to_local().device if isinstance(t, DTensor) else t.device
 
 
-def muon_problems(optim_cfg, sharding: str) -> list[str]:
+def muon_problems(optim_cfg, layout: Layout) -> list[str]:
     """Muon needs each whole matrix on some rank: DeepSpeed ZeRO and FSDP1 hold flat 1-D partitions."""
-    if optim_cfg.name not in ("muon", "normuon") or not sharding.startswith(("deepspeed", "fsdp1")):
+    if optim_cfg.name not in ("muon", "normuon") or layout.kind not in ("deepspeed", "fsdp1"):
         return []
     return [
-        f"optim.name={optim_cfg.name} cannot run under {sharding.split()[0]}: it flattens the parameters into 1-D "
+        f"optim.name={optim_cfg.name} cannot run under {layout.describe()}: it flattens the parameters into 1-D "
         "partitions, so no rank holds a weight matrix to orthogonalise; launch with FSDP2 "
         "(configs/accelerate/fsdp.yaml, cpu-fsdp.yaml) or DDP, or use optim.name=adamw"
     ]
@@ -277,7 +281,9 @@ def describe_muon_implementation(
     g = groups[0]
     dtype = iteration_dtype(g["ns_dtype"], params[0].dtype, device)
     shapes = [_out_in(p, group) for p, group in pairs]
-    where = spread_decision(params, groups, world_size, sharded, device, replicas).where
+    where = spread_decision(
+        params, groups, world_size, sharded, device, replicas, optimizer.spread_rates
+    ).where
     if g["normuon"]:
         sums = (
             " (its sums over the row shards: all-reduces of a few numbers per matrix)"

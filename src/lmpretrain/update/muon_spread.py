@@ -26,13 +26,49 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from lmpretrain.gpus import GPU, MATMUL_FRACTION, UNKNOWN, gpu_for_device
+from lmpretrain.layout import Layout
 from lmpretrain.update.newton_schulz import iteration_dtype, orthogonalise_all
 
-# The roofline optim.muon_spread=auto uses under DDP: spreading saves (1 - 1/world) of the Newton-Schulz
-# FLOPs at the first rate and costs an all-gather of (1 - 1/world) of the matrices' bytes at the second.
-# Round figures: bf16 matmul on a current datacenter GPU and its all-gather bus bandwidth; one CPU process's
-# float32 matmul and gloo over loopback.
-ROOFLINE = {"cuda": (4e14, 1e11), "cpu": (5e10, 2e9)}  # (FLOP/s, bytes/s)
+
+class SpreadRates(NamedTuple):
+    """The roofline optim.muon_spread=auto weighs: spreading saves (1 - 1/ranks) of the Newton-Schulz FLOPs at
+    `flops` FLOP/s and costs an all-gather of (1 - 1/ranks) of the matrices' bytes at `bandwidth` bytes/s (the
+    results shared over every rank under DDP, over a replica group under HSDP)."""
+
+    flops: float
+    bandwidth: float
+    source: str
+
+
+# One CPU process's float32 matmul and gloo over loopback, round figures.
+CPU_RATES = SpreadRates(5e10, 2e9, "round figures for a CPU process and gloo")
+
+
+def spread_rates(device: torch.device, layout: Layout | None = None, gpu: GPU | None = None) -> SpreadRates:
+    """The roofline of the GPU the run trains on: `gpu` (the planner's target), else the GPU table's entry for
+    this CUDA device (gpus.UNKNOWN's round figures for one it lacks); its bf16 peak and the link the results'
+    all-gather crosses (NVLink within a machine, the NIC when its group spans machines: `layout`), at the
+    planner's achievable fractions (lmpretrain/gpus.py), so that a run, its plan and its pre-flight decide
+    alike. A CPU: CPU_RATES."""
+    if gpu is None:
+        if device.type == "cpu":
+            return CPU_RATES
+        gpu = (
+            gpu_for_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        ) or UNKNOWN
+    layout = layout or Layout()
+    size, stride = (layout.replicas, layout.shards) if layout.hsdp else (layout.num_processes, 1)
+    spans = layout.spans_machines(size, stride)
+    # Newton-Schulz runs in bf16 on GPUs (optim.muon_ns_dtype=auto); fp16's peak where the GPU has no bf16
+    dtype = next((d for d in ("bf16", "fp16") if gpu.peak_flops(d)), None)
+    if dtype is None:
+        gpu, dtype = UNKNOWN, "bf16"
+    return SpreadRates(
+        gpu.peak_flops(dtype) * MATMUL_FRACTION,
+        gpu.link_bytes_per_s(spans),
+        f"{gpu.key}'s {dtype} peak x {MATMUL_FRACTION} and {gpu.link_name(spans)}",
+    )
 
 
 def ns_flops(shape: tuple[int, ...], steps: int, pieces: int = 1) -> int:
@@ -53,27 +89,37 @@ class Spread(NamedTuple):
     where: str
 
 
-def _roofline(params: list, groups: list[dict], world: int, device, share: float = 1.0) -> tuple[bool, str]:
+def _roofline(
+    params: list, groups: list[dict], world: int, rates: SpreadRates, share: float = 1.0
+) -> tuple[bool, str]:
     """Whether spreading `share` of the matrices over `world` ranks saves more Newton-Schulz time than the
-    all-gather of their results costs (ROOFLINE's rates), and the figures."""
+    all-gather of their results costs at `rates`, and the figures."""
     flops = share * sum(
         ns_flops(tuple(p.shape), g["ns_steps"], g["pieces"]) for p, g in zip(params, groups, strict=True)
     )
     nbytes = share * sum(p.numel() * p.element_size() for p in params)
-    rate, bandwidth = ROOFLINE.get(device.type, ROOFLINE["cuda"])
-    saved, cost = flops / rate * (1 - 1 / world), nbytes / bandwidth * (1 - 1 / world)
+    saved, cost = flops / rates.flops * (1 - 1 / world), nbytes / rates.bandwidth * (1 - 1 / world)
     words = (
-        f"Newton-Schulz {flops / 1e9:.3g} GFLOP at {rate:.0e} FLOP/s saves {saved * 1e3:.3g} ms, the all-gather "
-        f"of {nbytes / 2**20:.3g} MiB at {bandwidth:.0e} B/s costs {cost * 1e3:.3g} ms"
+        f"Newton-Schulz {flops / 1e9:.3g} GFLOP at {rates.flops:.2g} FLOP/s saves {saved * 1e3:.3g} ms, the "
+        f"all-gather of {nbytes / 2**20:.3g} MiB at {rates.bandwidth:.2g} B/s costs {cost * 1e3:.3g} ms; "
+        f"{rates.source}"
     )
     return saved > cost, words
 
 
 def spread_decision(
-    params: list, groups: list[dict], world: int, sharded: bool, device, replicas: int = 1
+    params: list,
+    groups: list[dict],
+    world: int,
+    sharded: bool,
+    device,
+    replicas: int = 1,
+    rates: SpreadRates | None = None,
 ) -> Spread:
     """Whether the matrices' orthogonalisation is spread over the ranks (and, under HSDP, over the
-    `replicas` replica groups), and why (the start-up line's words)."""
+    `replicas` replica groups), and why (the start-up line's words); `rates`: the roofline auto weighs
+    (spread_rates; None: the round figures of `device`'s type)."""
+    rates = rates or (CPU_RATES if device.type == "cpu" else spread_rates(device, gpu=UNKNOWN))
     setting = groups[0]["spread"]
     if world == 1:
         return Spread(False, False, "one process: every matrix here")
@@ -88,7 +134,7 @@ def spread_decision(
             return Spread(True, False, f"spread over {world} ranks under FSDP2 ({why}): {how}")
         shards = world // replicas
         line = f"spread over the {shards} ranks of each shard group under HSDP ({why}): {how}; "
-        over, roofline = _roofline(params, groups, replicas, device, share=1 / shards)
+        over, roofline = _roofline(params, groups, replicas, rates, share=1 / shards)
         if setting == "always" or over:
             why = "optim.muon_spread=always" if setting == "always" else f"optim.muon_spread=auto: {roofline}"
             return Spread(
@@ -106,7 +152,7 @@ def spread_decision(
     how = "each rank orthogonalises its share, one all-gather shares the results"
     if setting == "always":
         return Spread(True, False, f"spread over {world} ranks (optim.muon_spread=always): {how}")
-    over, roofline = _roofline(params, groups, world, device)
+    over, roofline = _roofline(params, groups, world, rates)
     if over:
         return Spread(True, False, f"spread over {world} ranks (optim.muon_spread=auto: {roofline}): {how}")
     return Spread(

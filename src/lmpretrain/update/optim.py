@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from lmpretrain.gpus import GPU
+from lmpretrain.layout import Layout
 from lmpretrain.update.muon import (
     MuonAdamW,
     describe_muon,
@@ -16,6 +18,7 @@ from lmpretrain.update.muon import (
     muon_groups,
     muon_hyperparameters,
 )
+from lmpretrain.update.muon_spread import spread_rates
 from lmpretrain.update.normuon import SECOND_MOMENT
 
 
@@ -65,13 +68,20 @@ def describe_groups(optimizer: torch.optim.Optimizer) -> str:
     return "; ".join(parts)
 
 
-def build_optimizer(model: nn.Module, optim_cfg, device: torch.device | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module,
+    optim_cfg,
+    device: torch.device | None = None,
+    layout: Layout | None = None,
+    gpu: GPU | None = None,
+) -> torch.optim.Optimizer:
     """AdamW, or with optim.name=muon Muon for the block matrices and AdamW for the rest (muon.py); moments
     are fp32 because the parameters are fp32 (autocast only lowers compute).
 
     `optim.fused`: torch's fused kernel when `device` (where training runs; default: the parameters')
     supports it, else the foreach implementation. Same update rule, so checkpoints load across the two
-    (`keep_implementation` stops a loaded checkpoint from switching it).
+    (`keep_implementation` stops a loaded checkpoint from switching it). Muon's optim.muon_spread=auto weighs
+    the roofline of `gpu` (the planner's target; default: `device`'s) over the launch's `layout`.
     """
     muon = muon_groups(model, optim_cfg) if optim_cfg.name in ("muon", "normuon") else []
     matrices = frozenset(id(p) for g in muon for p in g["params"])
@@ -87,7 +97,7 @@ def build_optimizer(model: nn.Module, optim_cfg, device: torch.device | None = N
     )
     if muon:
         groups = [{**g, "lr": optim_cfg.lr} for g in groups if g["params"]]
-        optimizer = MuonAdamW(muon + groups, adamw)
+        optimizer = MuonAdamW(muon + groups, adamw, spread_rates(device, layout, gpu))
     else:
         optimizer = torch.optim.AdamW(groups, **adamw)
     optimizer.register_load_state_dict_post_hook(partial(keep_implementation, fused=fused))

@@ -13,6 +13,7 @@ from lmpretrain.config import Config, config_problems, fork_sections
 from lmpretrain.errors import ConfigError
 from lmpretrain.model.build import build_model_config, causal_lm_class, contract_problems
 from lmpretrain.model.speed import kernel_problems
+from lmpretrain.run.expert_parallel import ep_problems
 from lmpretrain.run.fingerprint import allow_mismatch_problems
 from lmpretrain.update.guard import guard_problems
 from lmpretrain.update.muon import muon_problems
@@ -33,6 +34,7 @@ def preflight(cfg: Config, sharding: str, world_size: int, tokenizer):
         problems += model_problems(cfg, model_config, tokenizer)
         problems += kernel_problems(cfg, model_config)
         problems += contract_problems(cfg, causal_lm_class(model_config), sharding)
+        problems += ep_problems(cfg, model_config, sharding, world_size)
     problems += backend_problems(cfg, sharding) + auto_batch_problems(cfg, sharding)
     if problems:
         raise ConfigError(problems, source=cfg.config_path or "config")

@@ -72,22 +72,44 @@ def ep_problems(cfg, model_config, sharding: str, world_size: int) -> list[str]:
     return p
 
 
-def expert_modules(model: nn.Module) -> list[nn.Module]:
-    """The experts modules the plan exchanges tokens for (after `apply`)."""
-    return [m for m in model.modules() if getattr(m, "lmpretrain_ep_size", 1) > 1]
-
-
 def apply(model: nn.Module, ep_size: int, accelerator, replicas: int = 1) -> list[str]:
-    """Shard `model`'s experts over `ep_size` ranks (before the optimizer is built and before
-    `accelerator.prepare`, which then shards the rest); returns the start-up lines. A no-op at ep_size 1."""
+    """Shard `model`'s experts over `ep_size` ranks before the optimizer is built and before
+    `accelerator.prepare` (which then shards the rest with the launch's FSDP2 plugin); returns the start-up
+    lines. Nothing at ep_size 1."""
     if ep_size == 1:
         return []
+    plugin = accelerator.state.fsdp_plugin
+    plugin.cpu_ram_efficient_loading = False  # see the module's doc
+    world = accelerator.num_processes
+    layout, experts = shard_experts(
+        model,
+        ep_size,
+        world,
+        replicas,
+        reshard_after_forward=plugin.reshard_after_forward,
+        mp_policy=plugin.mixed_precision_policy,
+    )
+    total = experts[0].num_experts * ep_size
+    return [
+        f"expert parallelism: {len(experts)} MoE layers' {total} experts split over ep_size={ep_size} ranks "
+        f"({total // ep_size} each), tokens exchanged by all-to-all (transformers' DistributedConfig "
+        f"ep_implementation=all_to_all); each ep group's experts FSDP2-sharded over {layout.efsdp_size} rank(s)"
+        + (f" x {replicas} replica groups" if replicas > 1 else "")
+        + f"; expert gradients summed over the ranks and divided by {world}"
+    ]
+
+
+def shard_experts(
+    model: nn.Module, ep_size: int, world: int, replicas: int = 1, reshard_after_forward=True, mp_policy=None
+):
+    """transformers' expert parallelism on `model`, then FSDP2 on each experts module over efsdp (and the
+    replica groups); returns the DistributedConfig and the experts modules. Every rank calls it, after the
+    process group is up."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers.distributed import DistributedConfig
     from transformers.distributed.expert_parallel import apply_expert_parallelism
     from transformers.distributed.utils import initialize_distributed_mesh
 
-    world = accelerator.num_processes
     try:
         layout = DistributedConfig(
             fsdp_size=world // replicas,
@@ -105,28 +127,19 @@ def apply(model: nn.Module, ep_size: int, accelerator, replicas: int = 1) -> lis
     _, plan, _ = model._resolve_parallel_plans(layout)
     apply_expert_parallelism(model, meshes.get_mesh("ep"), meshes.get_mesh("tp"), plan, "all_to_all")
     expert_mesh = meshes.get_mesh(("dp_replicate", "efsdp") if replicas > 1 else "efsdp")
-    plugin = accelerator.state.fsdp_plugin
-    plugin.cpu_ram_efficient_loading = False  # see the module's doc
-    dispatched = [model.get_submodule(name) for name, style in plan.items() if style == DISPATCH]
-    for module in dispatched:
+    experts = [model.get_submodule(name) for name, style in plan.items() if style == DISPATCH]
+    for module in experts:
         fully_shard(
             module,
             mesh=expert_mesh,
-            reshard_after_forward=plugin.reshard_after_forward,
-            mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy or MixedPrecisionPolicy(),
         )
+        # Sum over every rank holding these experts, then divide once (see the module's doc).
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
         module.set_all_reduce_hook(_divide_by(world))
-        module.lmpretrain_ep_size = ep_size
-    experts = dispatched[0].num_experts * ep_size
-    return [
-        f"expert parallelism: {len(dispatched)} MoE layers' {experts} experts split over ep_size={ep_size} ranks "
-        f"({experts // ep_size} each), tokens exchanged by all-to-all (transformers' DistributedConfig "
-        f"ep_implementation=all_to_all); each ep group's experts FSDP2-sharded over {layout.efsdp_size} rank(s)"
-        + (f" x {replicas} replica groups" if replicas > 1 else "")
-        + f"; expert gradients summed over the ranks and divided by {world}"
-    ]
+    return layout, experts
 
 
 def _divide_by(world: int):

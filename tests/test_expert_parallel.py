@@ -5,9 +5,13 @@ token; 2 ranks, and 4 as FSDP2 and HSDP), and (slow) the recipe: 2 ranks (FSDP2)
 ep_size=2 equal one process over 10 steps, resume bit-identically after kill -9 and export a model
 from_pretrained loads."""
 
+import re
+import signal
+
 import pytest
 import torch
-from moe_ep_models import ROUTINGS, batch, build, cases, muon_cfg
+from moe_ep_models import QWEN3_MOE, ROUTINGS, batch, build, cases, muon_cfg
+from transformers import AutoModelForCausalLM
 
 import recipe_runner as rr
 from lmpretrain.update.optim import build_optimizer
@@ -83,3 +87,96 @@ def test_gloo_ranks_with_experts_split_over_2_train_like_one_process(world, refe
             # Muon's update does not see a gradient's scale (nor, to its eps, AdamW's): the gradients do
             g, g_ref = run["grads"][name], ref_grads[name]
             assert (g - g_ref).norm() <= 1e-12 * g_ref.norm(), (routing, experts, layout, name)
+
+
+# ---- The recipe on real processes (slow) ----------------------------------------------------------
+
+# The tiny Qwen3-MoE through the recipe: 4 experts, top-2, 2 layers, Muon (its per-expert matrices and
+# momentum under EP), float64. One process takes 8 rows a micro-batch, 2 ranks 4, 4 ranks 2: the same rows.
+MOE = [
+    "--model.type=qwen3_moe",
+    *(f"--model.overrides.{k}={v}" for k, v in QWEN3_MOE.items() if k != "num_hidden_layers"),
+    "--optim.name=muon",
+    "--checkpoint.every=4",
+]
+TIMEOUT = 1200
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe-1") / "run"
+    return rr.run(out, *rr.EXACT, *MOE, "--train.micro_batch_size=8", timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe-ep2") / "run"
+    return rr.run(out, *rr.EXACT, *MOE, "--model.ep_size=2", launch="cpu-fsdp", timeout=TIMEOUT)
+
+
+def assert_same_training(a: rr.Run, b: rr.Run, rel: float) -> None:
+    """Losses, gradient norms (which the optimizers' updates would not show) and held-out losses of every
+    step, and the final weights."""
+    assert [r["step"] for r in a.metrics()] == [r["step"] for r in b.metrics()] == list(range(11))
+    for x, y in zip(a.metrics(), b.metrics(), strict=True):
+        for key in ("train/loss", "train/grad_norm", "eval/loss"):
+            assert x.get(key, 0.0) == pytest.approx(y.get(key, 0.0), rel=rel), (key, x["step"])
+    assert rr.rel_diff(a.weights(), b.weights()) < rel
+
+
+@pytest.mark.slow
+def test_the_recipe_with_ep_2_on_2_ranks_trains_like_one_process_and_exports_a_plain_model(one_process, ep2):
+    assert (
+        "experts: batched_mm (one batched matmul per projection, float64; seen in a probe) in 2 "
+        in ep2.output
+    )
+    assert (
+        "expert parallelism: 2 MoE layers' 4 experts split over ep_size=2 ranks (2 each), tokens exchanged by "
+        "all-to-all (transformers' DistributedConfig ep_implementation=all_to_all); each ep group's experts "
+        "FSDP2-sharded over 1 rank(s); expert gradients summed over the ranks and divided by 2"
+    ) in ep2.output
+    assert "each rank orthogonalises only its own experts' matrices (12 of 24 here)" in ep2.output
+    assert_same_training(one_process, ep2, rel=1e-9)
+    # save_pretrained writes Qwen3-MoE's experts one by one (its hub layout); from_pretrained stacks them again
+    final, alone = (
+        AutoModelForCausalLM.from_pretrained(run.out / "final", dtype=torch.float64)
+        for run in (ep2, one_process)
+    )
+    assert type(final).__name__ == "Qwen3MoeForCausalLM" and final.config.num_experts == 4
+    assert final.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 2 * 16, 32)  # every expert, whole
+    assert rr.rel_diff(final.state_dict(), alone.state_dict()) < 1e-9
+
+
+@pytest.mark.slow
+def test_the_recipe_with_ep_2_under_hsdp_on_4_ranks_trains_like_one_process(one_process, tmp_path):
+    hsdp = rr.run(
+        tmp_path / "hsdp", *rr.EXACT, *MOE, "--model.ep_size=2", "--train.micro_batch_size=2",
+        launch="cpu-hsdp", timeout=TIMEOUT,
+    )  # fmt: skip
+    assert "FSDP2-sharded over 1 rank(s) x 2 replica groups; expert gradients summed over the ranks and " in (
+        hsdp.output
+    )
+    assert_same_training(one_process, hsdp, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_with_ep_2_is_bit_identical(ep2, tmp_path):
+    out = tmp_path / "killed"
+    args = [*rr.EXACT, *MOE, "--model.ep_size=2"]
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = rr.start_forked(out, *args, launch="cpu-fsdp", log=log)
+        rr.wait_for_step(proc, out, 6, timeout=TIMEOUT)
+        rr.kill_tree(proc, signal.SIGKILL)
+        proc.wait(timeout=60)
+    killed_at = rr.read_metrics(out)[-1]["step"]
+    assert killed_at < 10, "the run finished before it could be killed"
+    resumed = rr.run(out, *args, launch="cpu-fsdp", timeout=TIMEOUT)
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", resumed.output).group(1))
+    assert resumed_at in (4, 8) and resumed_at <= killed_at
+    assert rr.file_sha256(ep2.out / "final" / "model.safetensors") == rr.file_sha256(
+        resumed.out / "final" / "model.safetensors"
+    )
+    assert [r["step"] for r in resumed.metrics()] == list(range(11))
+    for x, y in zip(ep2.metrics(), resumed.metrics(), strict=True):
+        keys = ("train/loss", "train/grad_norm", "eval/loss")
+        assert [x.get(k) for k in keys] == [y.get(k) for k in keys], x["step"]

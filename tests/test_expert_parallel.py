@@ -14,7 +14,37 @@ from moe_ep_models import QWEN3_MOE, ROUTINGS, batch, build, cases, muon_cfg
 from transformers import AutoModelForCausalLM
 
 import recipe_runner as rr
+from lmpretrain.config import config_problems, load_config
+from lmpretrain.model.build import build_model_config
+from lmpretrain.run.expert_parallel import ep_problems
 from lmpretrain.update.optim import build_optimizer
+
+
+def ep_problems_of(*args, sharding="fsdp2", world=2) -> list[str]:
+    cfg = load_config([str(rr.SMOKE), "--model.type=qwen3_moe", *args])
+    return ep_problems(cfg, build_model_config(cfg.model), sharding, world)
+
+
+def test_what_expert_parallelism_cannot_run_is_refused_before_any_work():
+    assert ep_problems_of("--model.ep_size=2") == []
+    assert ep_problems_of("--model.ep_size=1", sharding="ddp (replicated)") == []
+    assert ep_problems_of("--model.ep_size=2", sharding="ddp (replicated)") == [
+        "model.ep_size=2 runs under FSDP2 or HSDP (the experts are sharded over the ranks), but this launch is "
+        "ddp: launch with configs/accelerate/cpu-fsdp.yaml, fsdp.yaml or hsdp.yaml"
+    ]
+    # qwen3_moe's default: 128 experts
+    assert ep_problems_of("--model.ep_size=3", world=3) == [
+        "model.ep_size=3 must divide the model's 128 experts per layer"
+    ]
+    assert ep_problems_of("--model.ep_size=4", world=2) == ["model.ep_size=4 must divide the 2 processes"]
+    llama = load_config([str(rr.SMOKE), "--model.ep_size=2"])
+    assert ep_problems(llama, build_model_config(llama.model), "fsdp2", 2) == [
+        "model.ep_size=2: transformers' llama config has no expert-parallel plan (base_model_ep_plan with an "
+        "ep_dispatch_experts rule); set model.ep_size=1"
+    ]
+    assert "model.ep_size=0 must be >= 1" in " ".join(
+        config_problems(load_config([str(rr.SMOKE), "--model.ep_size=0"]), 1)
+    )
 
 
 def one_process_reference() -> dict:

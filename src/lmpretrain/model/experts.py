@@ -146,5 +146,7 @@ def describe_experts(model: nn.Module, precision: str = "no") -> str | None:
     if runs != asked:
         line = f"experts: {asked} asked but {runs} runs ({how}, {dtypes}; seen in a probe) in {what}"
     if autocast is not None and autocast not in seen[kernel]:
-        line += f"; not in train.precision={precision}'s dtype: the kernel has no autocast rule"
+        line += f"; not in train.precision={precision}'s dtype" + (
+            ": torch's grouped matmul has no autocast rule" if kernel == "_grouped_mm" else ""
+        )
     return line

@@ -5,9 +5,6 @@ token; 2 ranks, and 4 as FSDP2 and HSDP), and (slow) the recipe: 2 ranks (FSDP2)
 ep_size=2 equal one process over 10 steps, resume bit-identically after kill -9 and export a model
 from_pretrained loads."""
 
-import re
-import signal
-
 import pytest
 import torch
 from moe_ep_models import QWEN3_MOE, ROUTINGS, batch, build, cases, muon_cfg
@@ -144,16 +141,6 @@ def ep2(tmp_path_factory):
     return rr.run(out, *rr.EXACT, *MOE, "--model.ep_size=2", launch="cpu-fsdp", timeout=TIMEOUT)
 
 
-def assert_same_training(a: rr.Run, b: rr.Run, rel: float) -> None:
-    """Losses, gradient norms (which the optimizers' updates would not show) and held-out losses of every
-    step, and the final weights."""
-    assert [r["step"] for r in a.metrics()] == [r["step"] for r in b.metrics()] == list(range(11))
-    for x, y in zip(a.metrics(), b.metrics(), strict=True):
-        for key in ("train/loss", "train/grad_norm", "eval/loss"):
-            assert x.get(key, 0.0) == pytest.approx(y.get(key, 0.0), rel=rel), (key, x["step"])
-    assert rr.rel_diff(a.weights(), b.weights()) < rel
-
-
 @pytest.mark.slow
 def test_the_recipe_with_ep_2_on_2_ranks_trains_like_one_process_and_exports_a_plain_model(one_process, ep2):
     assert (
@@ -166,7 +153,7 @@ def test_the_recipe_with_ep_2_on_2_ranks_trains_like_one_process_and_exports_a_p
         "FSDP2-sharded over 1 rank(s); expert gradients summed over the ranks and divided by 2"
     ) in ep2.output
     assert "each rank orthogonalises only its own experts' matrices (12 of 24 here)" in ep2.output
-    assert_same_training(one_process, ep2, rel=1e-9)
+    rr.assert_close_runs(one_process, ep2, rel=1e-9)
     # save_pretrained writes Qwen3-MoE's experts one by one (its hub layout); from_pretrained stacks them again
     final, alone = (
         AutoModelForCausalLM.from_pretrained(run.out / "final", dtype=torch.float64)
@@ -186,27 +173,13 @@ def test_the_recipe_with_ep_2_under_hsdp_on_4_ranks_trains_like_one_process(one_
     assert "FSDP2-sharded over 1 rank(s) x 2 replica groups; expert gradients summed over the ranks and " in (
         hsdp.output
     )
-    assert_same_training(one_process, hsdp, rel=1e-9)
+    rr.assert_close_runs(one_process, hsdp, rel=1e-9)
 
 
 @pytest.mark.slow
 def test_kill_9_then_resume_with_ep_2_is_bit_identical(ep2, tmp_path):
-    out = tmp_path / "killed"
+    """Sharded (DCP) checkpoints of the experts' DTensors, their Muon momentum included."""
     args = [*rr.EXACT, *MOE, "--model.ep_size=2"]
-    with open(tmp_path / "killed.log", "w") as log:
-        proc = rr.start_forked(out, *args, launch="cpu-fsdp", log=log)
-        rr.wait_for_step(proc, out, 6, timeout=TIMEOUT)
-        rr.kill_tree(proc, signal.SIGKILL)
-        proc.wait(timeout=60)
-    killed_at = rr.read_metrics(out)[-1]["step"]
-    assert killed_at < 10, "the run finished before it could be killed"
-    resumed = rr.run(out, *args, launch="cpu-fsdp", timeout=TIMEOUT)
-    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", resumed.output).group(1))
-    assert resumed_at in (4, 8) and resumed_at <= killed_at
-    assert rr.file_sha256(ep2.out / "final" / "model.safetensors") == rr.file_sha256(
-        resumed.out / "final" / "model.safetensors"
-    )
-    assert [r["step"] for r in resumed.metrics()] == list(range(11))
-    for x, y in zip(ep2.metrics(), resumed.metrics(), strict=True):
-        keys = ("train/loss", "train/grad_norm", "eval/loss")
-        assert [x.get(k) for k in keys] == [y.get(k) for k in keys], x["step"]
+    _, resumed = rr.killed_then_resumed(tmp_path / "killed", args, "cpu-fsdp", TIMEOUT)
+    rr.assert_bit_identical(ep2, resumed)
+    assert "checkpoints: format=sharded" in resumed.output

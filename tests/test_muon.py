@@ -6,9 +6,7 @@ kill -9 + resume bit-identical, a sharded checkpoint resumed on 1 process."""
 import copy
 import dataclasses
 import math
-import re
 import shutil
-import signal
 
 import plan_check
 import pytest
@@ -459,20 +457,13 @@ def test_the_plan_says_what_the_muon_run_sent_and_held(launch, request):
     assert off == [], figures
 
 
-def assert_close_runs(a: rr.Run, b: rr.Run, rel: float) -> None:
-    for x, y in zip(a.metrics(), b.metrics(), strict=True):
-        for key in ("train/loss", "train/grad_norm", "eval/loss"):
-            assert x.get(key, 0.0) == pytest.approx(y.get(key, 0.0), rel=rel), (key, x["step"])
-    assert rr.rel_diff(a.weights(), b.weights()) < rel
-
-
 @pytest.mark.slow
 def test_fsdp2_trains_like_ddp_in_float64(fsdp, ddp):
     assert "sharding=fsdp2" in fsdp.output and "NorMuon: 14 matrices" in fsdp.output
     # optim.muon_spread=auto spreads both here (so the resume tests below run spread too)
     assert "spread over 2 ranks under FSDP2 (auto: it moves fewer bytes" in fsdp.output
     assert "spread over 2 ranks (optim.muon_spread=auto: Newton-Schulz" in ddp.output
-    assert_close_runs(fsdp, ddp, rel=1e-6)
+    rr.assert_close_runs(fsdp, ddp, rel=1e-6)
 
 
 @pytest.mark.slow
@@ -484,7 +475,7 @@ def test_hsdp_on_four_ranks_trains_like_fsdp2_and_a_mesh_of_another_size_is_refu
     )
     assert "sharding=fsdp2 HSDP: 2 replica groups x 2 shards (parallelism_config)" in hsdp.output
     assert "and over the 2 replica groups (optim.muon_spread=auto" in hsdp.output
-    assert_close_runs(hsdp, fsdp, rel=1e-6)
+    rr.assert_close_runs(hsdp, fsdp, rel=1e-6)
     figures, off = plan_check.compare(hsdp, "cpu-hsdp", world=4)  # the planner's HSDP step, as rank 0 ran it
     assert figures["all_reduce"][1] > figures["params"][1] and figures["muon"][1] > 0, figures
     assert off == [], figures
@@ -499,38 +490,14 @@ def test_hsdp_on_four_ranks_trains_like_fsdp2_and_a_mesh_of_another_size_is_refu
     ) in bad.output
 
 
-def killed_then_resumed(out, launch: str) -> tuple[int, rr.Run]:
-    with open(out.parent / f"{out.name}.log", "w") as log:
-        proc = rr.start_forked(out, *FSDP_RUN, launch=launch, log=log)
-        rr.wait_for_step(proc, out, 6, timeout=TIMEOUT)
-        rr.kill_tree(proc, signal.SIGKILL)
-        proc.wait(timeout=60)
-    killed_at = rr.read_metrics(out)[-1]["step"]
-    assert killed_at < 10, "the run finished before it could be killed"
-    resumed = rr.run(out, *FSDP_RUN, launch=launch, timeout=TIMEOUT)
-    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", resumed.output).group(1))
-    assert resumed_at in (4, 8) and resumed_at <= killed_at
-    return resumed_at, resumed
-
-
-def assert_bit_identical(straight: rr.Run, resumed: rr.Run) -> None:
-    assert rr.file_sha256(straight.out / "final" / "model.safetensors") == rr.file_sha256(
-        resumed.out / "final" / "model.safetensors"
-    )
-    assert [r["step"] for r in resumed.metrics()] == list(range(0, 11))
-    for x, y in zip(straight.metrics(), resumed.metrics(), strict=True):
-        keys = ("train/loss", "train/grad_norm", "eval/loss")
-        assert [x.get(k) for k in keys] == [y.get(k) for k in keys], x["step"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", ["cpu-fsdp", "cpu-ddp"])
 def test_kill_9_then_resume_is_bit_identical(launch, request, tmp_path):
     """Full checkpoints under DDP, sharded (DCP) under FSDP2: momentum buffers and NorMuon's second
     moments (row-sharded DTensors under FSDP2) come back exactly."""
     straight = request.getfixturevalue("ddp" if launch == "cpu-ddp" else "fsdp")
-    _, resumed = killed_then_resumed(tmp_path / "killed", launch)
-    assert_bit_identical(straight, resumed)
+    _, resumed = rr.killed_then_resumed(tmp_path / "killed", FSDP_RUN, launch, TIMEOUT)
+    rr.assert_bit_identical(straight, resumed)
     fmt = "full" if launch == "cpu-ddp" else "sharded"
     assert f"checkpoints: format={fmt}" in resumed.output
 
@@ -560,7 +527,7 @@ def test_a_sharded_muon_checkpoint_resumes_on_one_process(fsdp, tmp_path):
 def test_two_ddp_ranks_train_like_one_process(ddp, tmp_path):
     one = rr.run(tmp_path / "one", *FSDP_RUN, "--train.micro_batch_size=4", launch="cpu", timeout=TIMEOUT)
     assert "NorMuon: 14 matrices in 14 tensors" in one.output
-    assert_close_runs(ddp, one, rel=1e-6)
+    rr.assert_close_runs(ddp, one, rel=1e-6)
     first, last = ddp.losses()[1], ddp.losses()[10]
     assert last < first - 0.3  # it learns
 

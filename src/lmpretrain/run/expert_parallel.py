@@ -119,7 +119,8 @@ def shard_experts(
         )
     except ValueError as err:  # transformers' own rule, e.g. ep_size must divide fsdp_size
         raise LaunchError(
-            f"model.ep_size={ep_size} with {replicas} replica groups x {world // replicas} shards: {err}"
+            f"model.ep_size={ep_size} must divide the {world // replicas} ranks of a shard group ({replicas} "
+            f"replica groups x {world // replicas} shards; transformers' DistributedConfig: {err})"
         ) from err
     _, meshes = initialize_distributed_mesh(layout)
     # transformers 5.24 resolves (and expands per layer) the model's plans only inside from_pretrained's

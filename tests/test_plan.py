@@ -41,6 +41,10 @@ def _cfg(name: str, *overrides: str):
             ["--config_file", "configs/accelerate/cpu-hsdp.yaml", "--num_processes", "8"],
             "parallelism_config asks for 2 replica groups x 2 shards = 4 processes, but --num_processes is 8",
         ),
+        (
+            ["--model.ep_size=2", "--config_file", "configs/accelerate/cpu-fsdp.yaml"],
+            "model.ep_size=2: the planner does not simulate expert parallelism yet",
+        ),
     ],
 )
 def test_bad_input_is_one_message_and_exit_2(args, message, capsys):

@@ -124,7 +124,13 @@ def test_what_cannot_run_is_refused_before_any_work():
     cfg = load_config(
         ["configs/smoke.yaml", "--model.type=mixtral", "--model.experts_implementation=batched_mm"]
     )
-    assert experts_problems(cfg, causal_lm_class(build_model_config(cfg.model))) == []
+    config = build_model_config(cfg.model)
+    assert experts_problems(cfg, config, causal_lm_class(config)) == []
+    # Qwen3-MoE's default is 8 experts per token: with 4 experts torch's top-k fails in the first forward
+    assert problems("--model.type=qwen3_moe", "--model.overrides.num_experts=4") == [
+        "model.overrides.num_experts_per_tok=8 is more than the model's 4 experts per layer (a token picks that "
+        "many): lower it or raise the experts"
+    ]
     # a width torch's CPU grouped matmul cannot take (strides not a multiple of 16 bytes): stopped at start-up
     odd = tiny("qwen3_moe", "grouped_mm", torch.float32, hidden_size=30, num_attention_heads=2)
     with pytest.raises(

@@ -44,8 +44,25 @@ def has_experts(model_class: type | None) -> bool:
     return bool(check and check())
 
 
-def experts_problems(cfg, model_class: type | None) -> list[str]:
-    """model.experts_implementation that cannot run: a model without experts, grouped_mm in float64."""
+def expert_count(model_config) -> int | None:
+    """Experts per MoE layer, under the names transformers' configs use."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(model_config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def experts_problems(cfg, model_config, model_class: type | None) -> list[str]:
+    """A mixture of experts that cannot run: more experts per token than per layer (torch's top-k would
+    fail in the first forward); model.experts_implementation on a model without experts, grouped_mm in
+    float64."""
+    experts, top_k = expert_count(model_config), getattr(model_config, "num_experts_per_tok", None)
+    if has_experts(model_class) and experts and isinstance(top_k, int) and top_k > experts:
+        return [
+            f"model.overrides.num_experts_per_tok={top_k} is more than the model's {experts} experts per layer "
+            "(a token picks that many): lower it or raise the experts"
+        ]
     asked = cfg.model.experts_implementation
     if asked == "auto":
         return []

@@ -75,7 +75,7 @@ def kernel_problems(cfg, model_config) -> list[str]:
                 f"saving, plain PyTorch)"
             )
     p += fp8_problems(cfg.train.fp8)
-    p += experts_problems(cfg, model_class)
+    p += experts_problems(cfg, model_config, model_class)
     takes_positions = (
         model_class is None or "position_ids" in inspect.signature(model_class.forward).parameters
     )

@@ -30,17 +30,9 @@ import torch
 from torch import nn
 
 from lmpretrain.errors import LaunchError
+from lmpretrain.model.experts import expert_count
 
 DISPATCH = "ep_dispatch_experts"  # transformers' EP style of a module whose forward exchanges the tokens
-
-
-def expert_count(model_config) -> int | None:
-    """Experts per MoE layer, under the names transformers' configs use."""
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(model_config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 def ep_problems(cfg, model_config, sharding: str, world_size: int) -> list[str]:

@@ -68,6 +68,7 @@ from lmpretrain.run import (
     TrainState,
     check_replicas_identical,
     check_resume,
+    expert_parallel,
     halve_on_oom,
     provenance,
     read_step,
@@ -172,7 +173,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     objective = objective_class.from_config(cfg, tokenizer.eos_token_id)
     say(*objective.install(model))  # the loss runs inside the model's forward (FSDP2 needs it)
     counts = parameter_counts(model)  # after install: a fork's auxiliary modules train too
-    say(*prepare_model(model, cfg.train, accelerator))  # attention, checkpointing, compile
+    say(*prepare_model(model, cfg.train, accelerator))  # attention, experts, checkpointing, compile
+    say(*expert_parallel.apply(model, info.layout, accelerator))  # model.ep_size
     optimizer = build_optimizer(model, cfg.optim, accelerator.device, info.layout)
     say(f"{counts['params_total']:,} parameters; optimizer groups: {describe_groups(optimizer)}")
     say(describe_implementation(optimizer, cfg.optim, accelerator.device, W, fsdp2, info.layout.replicas))

@@ -16,6 +16,11 @@
 #   fp16          the recipe's loss scaler on CUDA: an initial scale of 2^30 overflows, those steps are
 #                 skipped and the scale halves until training proceeds (2 layers)
 #   flash-varlen  document masking through flash-attention's varlen path = sdpa's block-causal mask
+#   experts       the llama-1b width cut to 4 layers as a Qwen3-MoE (8 experts of 1024, top-2), bf16, no
+#                 compile: tokens/s with model.experts_implementation eager and grouped_mm (grouped_mm also
+#                 under FSDP2's bf16 policy, where its weights are bf16: torch's grouped matmul has no
+#                 autocast rule) and the kernel each run's start-up line saw. Not batched_mm: it copies each
+#                 (token, expert) pair's weights, over 270 GB for this micro-batch's 32,768 pairs (docs/moe.md)
 # Goals: >= 45% MFU bf16 (stretch 55%) for the compile row; fp8 >= 1.15x the compile row's tokens/s
 # with the parity check passing. Offline: the built-in Python-stdlib corpus and tokenizer.
 #
@@ -51,6 +56,8 @@ TINY=(  # --dry-run on CPU: a tiny model, fp32, no compile, one thread
 )
 SMALL=(--model.overrides.num_hidden_layers=2)  # resume and fp16: the mechanism, not the size
 PARITY=(--model.overrides.num_hidden_layers=4 --train.max_steps=200 --optim.warmup_steps=20)
+MOE="--model.type=qwen3_moe --model.overrides.num_hidden_layers=4 --model.overrides.num_experts=8 \
+--model.overrides.num_experts_per_tok=2 --model.overrides.moe_intermediate_size=1024 --train.max_steps=15 --train.compile=false"
 
 # name|launch|overrides: launch "-" runs python recipes/pretrain.py, else an accelerate launch config
 RUNS=(
@@ -63,6 +70,9 @@ RUNS=(
   "parity-fp8|-|${PARITY[*]} --train.fp8=tensorwise"
   "straight|-|${SMALL[*]} --train.max_steps=16 --checkpoint.every=4"
   "fp16|-|${SMALL[*]} --train.max_steps=20 --train.precision=fp16 --train.loss_scale_init=1073741824"
+  "experts-eager|-|$MOE --model.experts_implementation=eager"
+  "experts-grouped_mm|-|$MOE --model.experts_implementation=grouped_mm"
+  "experts-grouped_mm-fsdp2|fsdp|$MOE --model.experts_implementation=grouped_mm"
 )
 
 record() {  # record NAME STATUS DETAIL: one check's result, for the table
@@ -118,7 +128,7 @@ for name in ("eager", "compile", "liger", "fp8", "fsdp2-1gpu"):
               f"{s['compile_s']:>10.1f} {s['final_loss']:>10.4f}  {check['detail']}")
     else:
         print(f"gpu_check: {name:<12} {check['status']:<8} {'-':>10} {'-':>7} {'-':>9} {'-':>10} {'-':>10}  {check['detail']}")
-for name in ("syncs", "parity", "resume", "fp16", "flash-varlen"):
+for name in ("syncs", "parity", "resume", "fp16", "flash-varlen", "experts"):
     check = checks.get(name, {"status": "not run", "detail": ""})
     print(f"gpu_check: {name:<12} {check['status']:<8} {check['detail']}")
 bf16, fp8 = result["rows"]["compile"], result["rows"]["fp8"]
@@ -266,6 +276,25 @@ EOF
 else
   record flash-varlen skipped "flash-attn not installed (pip install -e .[gpu])"
 fi
+
+# ---- a mixture of experts' experts implementations ------------------------------------------------------
+for i in 9 10 11; do run_variant "${RUNS[$i]}"; done
+"$PY" - "$OUT" <<'EOF' >"$OUT/experts.txt" 2>&1
+import json, os, re, statistics, sys
+out, parts = sys.argv[1], []
+for impl in ("eager", "grouped_mm", "grouped_mm-fsdp2"):
+    path = f"{out}/experts-{impl}/metrics.jsonl"
+    if not os.path.exists(path):
+        parts.append(f"{impl} failed")
+        continue
+    rows = [json.loads(line) for line in open(path) if '"train/loss"' in line]
+    speed = statistics.median(r["perf/tokens_per_s"] for r in rows[5:])
+    seen = re.search(r"\] experts: ([^;\n]*)", open(f"{out}/experts-{impl}.log").read())
+    parts.append(f"{impl} {speed:,.0f} tok/s ({seen.group(1) + ')' if seen else 'no experts line'})")
+print("; ".join(parts))
+sys.exit(1 if "failed" in " ".join(parts) else 0)
+EOF
+if [[ $? == 0 ]]; then record experts ok "$(cat "$OUT/experts.txt")"; else record experts FAILED "$(tail -1 "$OUT/experts.txt")"; fi
 
 table
 echo "gpu_check: finished in $((SECONDS - START)) s; outputs in $OUT"

@@ -371,6 +371,46 @@ def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     )
 
 
+def assert_close_runs(a: Run, b: Run, rel: float) -> None:
+    """Every step's loss, gradient norm (which an optimizer's update may not show: Muon's and Adam's hide a
+    gradient's scale) and held-out loss within `rel`, and the final weights."""
+    import pytest
+
+    for x, y in zip(a.metrics(), b.metrics(), strict=True):
+        for key in ("train/loss", "train/grad_norm", "eval/loss"):
+            assert x.get(key, 0.0) == pytest.approx(y.get(key, 0.0), rel=rel), (key, x["step"])
+    assert rel_diff(a.weights(), b.weights()) < rel
+
+
+def killed_then_resumed(out, args, launch: str, timeout: float, kill_at: int = 6) -> tuple[int, Run]:
+    """A 10-step run (`args`, checkpoints every 4 steps) killed with SIGKILL once it has logged `kill_at`,
+    then the same command again; returns the step it resumed from and the resumed run."""
+    import re
+
+    with open(Path(out).parent / f"{Path(out).name}.log", "w") as log:
+        proc = start_forked(out, *args, launch=launch, log=log)
+        wait_for_step(proc, out, kill_at, timeout=timeout)
+        kill_tree(proc, signal.SIGKILL)
+        proc.wait(timeout=60)
+    killed_at = read_metrics(out)[-1]["step"]
+    assert killed_at < 10, "the run finished before it could be killed"
+    resumed = run(out, *args, launch=launch, timeout=timeout)
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", resumed.output).group(1))
+    assert resumed_at in (4, 8) and resumed_at <= killed_at
+    return resumed_at, resumed
+
+
+def assert_bit_identical(straight: Run, resumed: Run) -> None:
+    """The same final weights file, byte for byte, and the same numbers at every one of 10 steps."""
+    assert file_sha256(straight.out / "final" / "model.safetensors") == file_sha256(
+        resumed.out / "final" / "model.safetensors"
+    )
+    assert [r["step"] for r in resumed.metrics()] == list(range(0, 11))
+    for x, y in zip(straight.metrics(), resumed.metrics(), strict=True):
+        keys = ("train/loss", "train/grad_norm", "eval/loss")
+        assert [x.get(k) for k in keys] == [y.get(k) for k in keys], x["step"]
+
+
 def launch_ranks(script, *args: str, world: int = 2, timeout: float = 120) -> list[str]:
     """Run `script` as ranks 0..world-1 of a torch.distributed group (env:// rendezvous on a free port), with
     the environment torchrun would give each, as forks of the fork server; returns each rank's output and

@@ -6,9 +6,7 @@ kill -9 + resume bit-identical, a sharded checkpoint resumed on 1 process."""
 import copy
 import dataclasses
 import math
-import re
 import shutil
-import signal
 
 import plan_check
 import pytest
@@ -118,31 +116,36 @@ def test_gpt2_fused_qkv_is_split_in_three_and_conv1d_is_read_as_in_out():
     assert "12 matrices in 8 tensors, 2 fused QKV split per projection" in describe_groups(opt)
 
 
-def test_mixtral_expert_stacks_are_batches_of_matrices():
+def test_mixtral_expert_stacks_are_batches_of_matrices_gate_up_split_router_on_adamw():
     model = tiny("mixtral")
     opt = build_optimizer(model, muon_cfg())
     muon = names_in(opt, model, "muon")
     experts = {n for n, p in model.named_parameters() if p.dim() == 3}
     assert experts and experts <= muon  # gate_up_proj and down_proj: (experts, rows, cols)
-    # 4 attention projections + the router + 2 expert stacks of 3 experts
-    assert describe_groups(opt).startswith("Muon: 11 matrices in 7 tensors")
-    assert {g["name"] for g in opt.param_groups if g["kind"] == "muon"} == {"muon"}  # (experts, out, in)
+    assert "model.layers.0.mlp.gate.weight" in names_in(opt, model, "adamw")  # the router: (experts, hidden)
+    # 4 attention projections + 3 experts' gate and up (split) + 3 experts' down
+    line = describe_groups(opt)
+    assert line.startswith("Muon: 13 matrices in 6 tensors, 1 expert gate_up stacks split into gate and up ")
+    by_group = {g["name"]: names_in_group(g, model) for g in opt.param_groups if g["kind"] == "muon"}
+    assert by_group["muon_fused2"] == ["model.layers.0.mlp.experts.gate_up_proj"]  # (experts, 2 x 24, 32)
 
 
-def test_gpt_oss_bias_stacks_stay_on_adamw_and_its_transposed_experts_are_read_as_in_out():
+def test_gpt_oss_bias_stacks_and_router_stay_on_adamw_its_experts_are_in_out_gate_up_interleaved():
     model = tiny("gpt_oss")
     opt = build_optimizer(model, muon_cfg())
     names = {id(p): n for n, p in model.named_parameters()}
     layer = "model.layers.0."
     by_group = {g["name"]: {names[id(p)] for p in g["params"]} for g in opt.param_groups}
-    assert by_group["muon_in_out"] == {layer + "mlp.experts.gate_up_proj", layer + "mlp.experts.down_proj"}
+    assert by_group["muon_in_out"] == {layer + "mlp.experts.down_proj"}
+    # (experts, in, 2 x out): gate and up alternate along the outputs (GPT-OSS's experts are not concatenated)
+    assert by_group["muon_in_out_fused2_interleaved"] == {layer + "mlp.experts.gate_up_proj"}
     assert by_group["muon"] == {
         layer + m + ".weight"
         for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-    } | {layer + "mlp.router.weight"}
+    }
     adamw = names_in(opt, model, "adamw")
     assert {layer + "mlp.experts.gate_up_proj_bias", layer + "mlp.experts.down_proj_bias"} <= adamw
-    assert layer + "self_attn.sinks" in adamw
+    assert {layer + "self_attn.sinks", layer + "mlp.router.weight", layer + "mlp.router.bias"} <= adamw
 
 
 # ---- The step equals Muon's definition, computed here in float64 ---------------------------------
@@ -179,27 +182,36 @@ def normuon(o: torch.Tensor, moment: torch.Tensor, beta2: float) -> torch.Tensor
 
 def reference_muon(
     name: str, p, grad, buf, *, lr, wd, momentum, steps, scale, muon_lr, conv1d, coefficients="quintic",
-    moments=None, beta2=None,
+    moments=None, beta2=None, interleaved=False,
 ):  # fmt: skip
     """Keller Jordan's form: B = mu B + g, Nesterov update g + mu B (torch's lerp form differs by the factor
     1 - mu, which the normalisation removes). Matrices are (out, in) but GPT-2's Conv1D and GPT-OSS's
-    experts are (in, out) (`conv1d`). `moments`: NorMuon's per-neuron state of each matrix, by index."""
+    experts are (in, out) (`conv1d`). An expert's gate_up_proj is its gate and up projections: halves,
+    alternate outputs in GPT-OSS (`interleaved`). `moments`: NorMuon's per-neuron state of each matrix."""
     buf.mul_(momentum).add_(grad)
     u = grad + momentum * buf
     mats = list(u) if u.dim() == 3 else [u]  # an expert stack: one matrix per expert
     outs = []
     for e, m in enumerate(mats):
         m = m.T if conv1d else m
-        pieces = 3 if name.endswith("c_attn.weight") else 1  # Q, K, V side by side
-        parts = [newton_schulz(x, steps, coefficients) for x in m.chunk(pieces, dim=0)]
+        pieces = 3 if name.endswith("c_attn.weight") else 2 if name.endswith("gate_up_proj") else 1
+        rows_of = [torch.arange(m.shape[0]).chunk(pieces)[i] for i in range(pieces)]  # Q, K, V side by side
+        if interleaved:
+            rows_of = [torch.arange(i, m.shape[0], pieces) for i in range(pieces)]  # gate, up, gate, up, ...
+        parts = [newton_schulz(m[rows], steps, coefficients) for rows in rows_of]
         if moments is not None:
             state = moments.setdefault(e, torch.zeros(m.shape[0], dtype=m.dtype))
-            parts = [normuon(x, s, beta2) for x, s in zip(parts, state.chunk(pieces), strict=True)]
+            for i, rows in enumerate(rows_of):
+                s = state[rows]
+                parts[i] = normuon(parts[i], s, beta2)
+                state[rows] = s
         rows, cols = parts[0].shape
         factor = 0.2 * math.sqrt(max(rows, cols)) * lr if scale == "match_rms_adamw" else None
         if scale == "original":
             factor = muon_lr * (lr / 0.01) * math.sqrt(max(1, rows / cols))  # the schedule's factor
-        o = torch.cat(parts, dim=0) * factor
+        o = torch.empty_like(m)
+        for rows, part in zip(rows_of, parts, strict=True):
+            o[rows] = part * factor
         outs.append(o.T if conv1d else o)
     base_lr = lr if scale == "match_rms_adamw" else muon_lr * (lr / 0.01)
     p.mul_(1 - base_lr * wd).sub_(torch.stack(outs) if u.dim() == 3 else outs[0])
@@ -243,7 +255,7 @@ def test_muon_steps_equal_a_float64_reference(model_type, scale, name, coefficie
                 in_out = "transformer.h" in n or (model_type == "gpt_oss" and ".experts." in n)
                 reference_muon(n, p, p.grad, bufs[n], lr=lr, wd=0.1, momentum=0.9, steps=steps, scale=scale,
                                muon_lr=0.03, conv1d=in_out, coefficients=coefficients, moments=moments[n],
-                               beta2=0.8)  # fmt: skip
+                               beta2=0.8, interleaved=model_type == "gpt_oss")  # fmt: skip
         ref_adamw.step()
         for m in (model, ref):
             m.zero_grad(set_to_none=True)
@@ -444,20 +456,13 @@ def test_the_plan_says_what_the_muon_run_sent_and_held(launch, request):
     assert off == [], figures
 
 
-def assert_close_runs(a: rr.Run, b: rr.Run, rel: float) -> None:
-    for x, y in zip(a.metrics(), b.metrics(), strict=True):
-        for key in ("train/loss", "train/grad_norm", "eval/loss"):
-            assert x.get(key, 0.0) == pytest.approx(y.get(key, 0.0), rel=rel), (key, x["step"])
-    assert rr.rel_diff(a.weights(), b.weights()) < rel
-
-
 @pytest.mark.slow
 def test_fsdp2_trains_like_ddp_in_float64(fsdp, ddp):
     assert "sharding=fsdp2" in fsdp.output and "NorMuon: 14 matrices" in fsdp.output
     # optim.muon_spread=auto spreads both here (so the resume tests below run spread too)
     assert "spread over 2 ranks under FSDP2 (auto: it moves fewer bytes" in fsdp.output
     assert "spread over 2 ranks (optim.muon_spread=auto: Newton-Schulz" in ddp.output
-    assert_close_runs(fsdp, ddp, rel=1e-6)
+    rr.assert_close_runs(fsdp, ddp, rel=1e-6)
 
 
 @pytest.mark.slow
@@ -474,7 +479,7 @@ def test_hsdp_on_four_ranks_trains_like_fsdp2_and_a_mesh_of_another_size_is_refu
         "world_size=4 " in hsdp.output and f"sharding={planned.describe()} (accelerate's FSDP2" in hsdp.output
     )
     assert "and over the 2 replica groups (optim.muon_spread=auto" in hsdp.output
-    assert_close_runs(hsdp, fsdp, rel=1e-6)
+    rr.assert_close_runs(hsdp, fsdp, rel=1e-6)
     figures, off = plan_check.compare(hsdp, "cpu-hsdp", world=4)  # the planner's HSDP step, as rank 0 ran it
     assert figures["all_reduce"][1] > figures["params"][1] and figures["muon"][1] > 0, figures
     assert off == [], figures
@@ -489,38 +494,14 @@ def test_hsdp_on_four_ranks_trains_like_fsdp2_and_a_mesh_of_another_size_is_refu
     ) in bad.output
 
 
-def killed_then_resumed(out, launch: str) -> tuple[int, rr.Run]:
-    with open(out.parent / f"{out.name}.log", "w") as log:
-        proc = rr.start_forked(out, *FSDP_RUN, launch=launch, log=log)
-        rr.wait_for_step(proc, out, 6, timeout=TIMEOUT)
-        rr.kill_tree(proc, signal.SIGKILL)
-        proc.wait(timeout=60)
-    killed_at = rr.read_metrics(out)[-1]["step"]
-    assert killed_at < 10, "the run finished before it could be killed"
-    resumed = rr.run(out, *FSDP_RUN, launch=launch, timeout=TIMEOUT)
-    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", resumed.output).group(1))
-    assert resumed_at in (4, 8) and resumed_at <= killed_at
-    return resumed_at, resumed
-
-
-def assert_bit_identical(straight: rr.Run, resumed: rr.Run) -> None:
-    assert rr.file_sha256(straight.out / "final" / "model.safetensors") == rr.file_sha256(
-        resumed.out / "final" / "model.safetensors"
-    )
-    assert [r["step"] for r in resumed.metrics()] == list(range(0, 11))
-    for x, y in zip(straight.metrics(), resumed.metrics(), strict=True):
-        keys = ("train/loss", "train/grad_norm", "eval/loss")
-        assert [x.get(k) for k in keys] == [y.get(k) for k in keys], x["step"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", ["cpu-fsdp", "cpu-ddp"])
 def test_kill_9_then_resume_is_bit_identical(launch, request, tmp_path):
     """Full checkpoints under DDP, sharded (DCP) under FSDP2: momentum buffers and NorMuon's second
     moments (row-sharded DTensors under FSDP2) come back exactly."""
     straight = request.getfixturevalue("ddp" if launch == "cpu-ddp" else "fsdp")
-    _, resumed = killed_then_resumed(tmp_path / "killed", launch)
-    assert_bit_identical(straight, resumed)
+    _, resumed = rr.killed_then_resumed(tmp_path / "killed", FSDP_RUN, launch, TIMEOUT)
+    rr.assert_bit_identical(straight, resumed)
     fmt = "full" if launch == "cpu-ddp" else "sharded"
     assert f"checkpoints: format={fmt}" in resumed.output
 
@@ -550,7 +531,7 @@ def test_a_sharded_muon_checkpoint_resumes_on_one_process(fsdp, tmp_path):
 def test_two_ddp_ranks_train_like_one_process(ddp, tmp_path):
     one = rr.run(tmp_path / "one", *FSDP_RUN, "--train.micro_batch_size=4", launch="cpu", timeout=TIMEOUT)
     assert "NorMuon: 14 matrices in 14 tensors" in one.output
-    assert_close_runs(ddp, one, rel=1e-6)
+    rr.assert_close_runs(ddp, one, rel=1e-6)
     first, last = ddp.losses()[1], ddp.losses()[10]
     assert last < first - 0.3  # it learns
 

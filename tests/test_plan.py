@@ -66,6 +66,10 @@ def _cfg(name: str, *overrides: str):
             ["--train.precision=bf16", "--gpu", "v100-sxm"],
             "--gpu v100-sxm: NVIDIA Tesla V100 SXM2 32GB has no bf16",
         ),
+        (
+            ["--model.ep_size=2", "--config_file", "configs/accelerate/cpu-fsdp.yaml"],
+            "model.ep_size=2: the planner does not simulate expert parallelism yet",
+        ),
     ],
 )
 def test_bad_input_is_one_message_and_exit_2(args, message, capsys):

@@ -232,16 +232,16 @@ def test_gpu_check_script_passes_its_cpu_dry_run(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "gpu_check: 9 commands have valid configs" in proc.stdout
+    assert "gpu_check: 12 commands have valid configs" in proc.stdout
     assert "gpu_check: dry run passed" in proc.stdout
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     eager = result["rows"]["eager"]
     assert result["dry_run"] and eager["status"] == "ok" and eager["steps"] == 3 and eager["tokens_per_s"] > 0
     lines = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("gpu_check: ")]
     header = lines.index("row")
-    assert lines[header + 1 : header + 11] == [
+    assert lines[header + 1 : header + 12] == [
         *("eager", "compile", "liger", "fp8", "fsdp2-1gpu"),
-        *("syncs", "parity", "resume", "fp16", "flash-varlen"),
+        *("syncs", "parity", "resume", "fp16", "flash-varlen", "experts"),
     ]  # the table's rows, in order
 
 

@@ -122,6 +122,17 @@ class ModelConfig:
     refused before any work, except sdpa, the default, which is eager for models without an sdpa path
     (as transformers' own default; Mamba and RWKV have no attention); the one that runs is logged
     ("[lmpretrain] attention: ...")."""
+    experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = "auto"
+    """How a mixture of experts runs its experts (transformers' experts_implementation): eager (a loop over
+    the experts hit), batched_mm (one batched matmul over every token's chosen experts), grouped_mm (torch's
+    grouped matmul over tokens sorted by expert). auto: grouped_mm, or batched_mm for float64 parameters
+    (torch's grouped matmul has no float64). What runs is seen on a probe of one layer's experts and
+    logged ("[lmpretrain] experts: ..."); a model without experts accepts only auto (docs/moe.md)."""
+    ep_size: int = 1
+    """Expert parallelism: each MoE layer's experts split over this many ranks, each token sent to its
+    experts' ranks and back by all-to-all (transformers' DistributedConfig ep_size, ep_implementation
+    all_to_all). Needs an FSDP2 or HSDP launch; it divides the shard group and the number of experts
+    (docs/moe.md)."""
 
 
 @dataclass
@@ -760,6 +771,8 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append(f"train.ema_decay={t.ema_decay} must be in (0, 1), or null (no EMA)")
     if t.ema_start < 0:
         p.append("train.ema_start must be >= 0")
+    if cfg.model.ep_size < 1:
+        p.append(f"model.ep_size={cfg.model.ep_size} must be >= 1 (1: every rank holds every expert)")
     p += batch_problems(t, world_size)
     p += ramp_problems(t, world_size)
     if t.fsdp_reduce_dtype != "float32" and t.precision != "bf16":

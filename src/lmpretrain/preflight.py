@@ -14,6 +14,7 @@ from lmpretrain.errors import ConfigError
 from lmpretrain.layout import Layout
 from lmpretrain.model.build import build_model_config, causal_lm_class, contract_problems
 from lmpretrain.model.speed import kernel_problems
+from lmpretrain.run.expert_parallel import ep_problems
 from lmpretrain.run.fingerprint import allow_mismatch_problems
 from lmpretrain.update.guard import guard_problems
 from lmpretrain.update.muon import muon_problems
@@ -34,6 +35,7 @@ def preflight(cfg: Config, layout: Layout, tokenizer):
         problems += model_problems(cfg, model_config, tokenizer)
         problems += kernel_problems(cfg, model_config)
         problems += contract_problems(cfg, causal_lm_class(model_config), layout)
+        problems += ep_problems(cfg, model_config, layout)
     problems += backend_problems(cfg, layout) + auto_batch_problems(cfg, layout)
     if problems:
         raise ConfigError(problems, source=cfg.config_path or "config")

@@ -20,6 +20,7 @@ from transformers import (
 
 from lmpretrain.errors import ConfigError
 from lmpretrain.layout import Layout
+from lmpretrain.model.experts import chosen_implementation
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -50,7 +51,7 @@ def build_model_config(model_cfg, tokenizer=None) -> PretrainedConfig:
             **overrides,
         )
         _refuse_unknown_overrides(config, unused)
-        return config
+        return _with_experts(config, model_cfg)
     if model_cfg.type not in CONFIG_MAPPING:
         near = difflib.get_close_matches(model_cfg.type, list(CONFIG_MAPPING.keys()), n=3, cutoff=0.6)
         raise ConfigError(
@@ -62,7 +63,15 @@ def build_model_config(model_cfg, tokenizer=None) -> PretrainedConfig:
             ]
         )
     _refuse_unknown_overrides(AutoConfig.for_model(model_cfg.type), model_cfg.overrides)
-    return AutoConfig.for_model(model_cfg.type, **overrides)
+    return _with_experts(AutoConfig.for_model(model_cfg.type, **overrides), model_cfg)
+
+
+def _with_experts(config: PretrainedConfig, model_cfg) -> PretrainedConfig:
+    """model.experts_implementation rides on the config as the attention kernel does (not saved with
+    it); auto leaves it unset, for build_model to choose (experts.chosen_implementation)."""
+    if model_cfg.experts_implementation != "auto":
+        config._experts_implementation = model_cfg.experts_implementation
+    return config
 
 
 def import_model_modules(model_cfg) -> None:
@@ -154,10 +163,13 @@ def build_model(
     """Weights from `pretrained`, else a fresh init from the (seeded) global RNG.
 
     Parameters stay in `dtype` (fp32 master weights); autocast lowers only the compute. The attention
-    kernel is `attention_kernel(config)` (checked by `speed.kernel_problems`).
+    kernel is `attention_kernel(config)` (checked by `speed.kernel_problems`); a mixture of experts' experts
+    run as `experts.chosen_implementation` says (seen on a probe by `experts.describe_experts`).
     """
     dtype = getattr(torch, dtype)
     kernel = attention_kernel(config)
+    experts = chosen_implementation(config, dtype, causal_lm_class(config))
+    extra = {"experts_implementation": experts} if experts else {}
     if pretrained:
         return AutoModelForCausalLM.from_pretrained(
             pretrained,
@@ -165,9 +177,10 @@ def build_model(
             dtype=dtype,
             attn_implementation=kernel,
             trust_remote_code=trust_remote_code,
+            **extra,
         )
     return AutoModelForCausalLM.from_config(
-        config, dtype=dtype, attn_implementation=kernel, trust_remote_code=trust_remote_code
+        config, dtype=dtype, attn_implementation=kernel, trust_remote_code=trust_remote_code, **extra
     )
 
 

@@ -1,4 +1,5 @@
-"""The speed switches around the model: attention kernel, activation checkpointing, regional compilation.
+"""The speed switches around the model: attention kernel, experts implementation, activation checkpointing,
+regional compilation.
 
 They change how the model runs, not what it computes (tests/test_speed.py trains with each one on
 and off and compares). `kernel_problems` refuses, before any work, a kernel or loss that cannot run
@@ -19,6 +20,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from lmpretrain.errors import ConfigError
 from lmpretrain.model.build import attention_kernel, causal_lm_class
+from lmpretrain.model.experts import describe_experts, experts_problems
 from lmpretrain.model.fp8 import convert_to_fp8, fp8_problems
 
 # What each kernel needs from the model class (transformers' own flags).
@@ -73,6 +75,7 @@ def kernel_problems(cfg, model_config) -> list[str]:
                 f"saving, plain PyTorch)"
             )
     p += fp8_problems(cfg.train.fp8)
+    p += experts_problems(cfg, model_config, model_class)
     takes_positions = (
         model_class is None or "position_ids" in inspect.signature(model_class.forward).parameters
     )
@@ -158,7 +161,8 @@ def compile_seconds() -> float:
 
 
 def prepare_model(model: nn.Module, train_cfg, accelerator=None) -> list[str]:
-    """Activation checkpointing and compile; returns the log lines (the attention kernel first).
+    """Activation checkpointing and compile; returns the log lines (the attention kernel and the experts
+    implementation first).
 
     Call it after `objective.install(model)` and before `accelerator.prepare` (the accelerator's FSDP
     plugin must not checkpoint too).
@@ -176,6 +180,9 @@ def prepare_model(model: nn.Module, train_cfg, accelerator=None) -> list[str]:
     if kernel == "eager" and not getattr(model, "_supports_sdpa", False):
         kernel += f" ({type(model).__name__} has no sdpa path)"
     lines = [f"attention: {kernel}"]
+    experts = describe_experts(model, train_cfg.precision)  # before sharding and compile: one module alone
+    if experts:
+        lines.append(experts)
     fused = fuse_gelu_tanh(model)
     if fused:
         lines.append(fused)

@@ -78,6 +78,11 @@ def check_config(cfg: Config, launch: Layout) -> None:
     """The recipe's own rules for this world size and backend (batch arithmetic, streams per rank, Muon
     under DeepSpeed, ...): one ConfigError naming each, exit 2."""
     problems = config_problems(cfg, launch.num_processes) + backend_problems(cfg, launch)
+    if cfg.model.ep_size > 1:  # it would plan every rank holding every expert, and no token all-to-all
+        problems.append(
+            f"model.ep_size={cfg.model.ep_size}: the planner does not simulate expert parallelism yet; plan "
+            "with --model.ep_size=1 (every rank holding every expert: an upper bound on memory)"
+        )
     if problems:
         raise ConfigError(problems, source=f"{cfg.config_path} at {launch.num_processes} processes")
 

@@ -2,7 +2,7 @@
 counters, the step's one device read (redone at half the micro-batch when out of memory), the resume
 fingerprint."""
 
-from lmpretrain.run import runtime
+from lmpretrain.run import expert_parallel, runtime
 from lmpretrain.run.distributed import check_replicas_identical
 from lmpretrain.run.fingerprint import check_fingerprint, run_fingerprint
 from lmpretrain.run.oom_retry import halve_on_oom
@@ -25,6 +25,7 @@ __all__ = [
     "check_fingerprint",
     "check_replicas_identical",
     "check_resume",
+    "expert_parallel",
     "halve_on_oom",
     "provenance",
     "read_step",

@@ -411,8 +411,15 @@ def setup(
 
 
 def setup_from_config(cfg, log_with=None) -> tuple[Accelerator, RuntimeInfo]:
-    """`setup` with a run config's settings: cfg.train, run.threads, run.seed, run.collective_timeout_s."""
-    return setup(cfg.train, cfg.run.threads, cfg.run.seed, log_with, timeout_s=cfg.run.collective_timeout_s)
+    """`setup` with a run config's settings: cfg.train, run.threads, run.seed, run.collective_timeout_s, and
+    model.ep_size as the layout's expert-parallel degree."""
+    accelerator, info = setup(
+        cfg.train, cfg.run.threads, cfg.run.seed, log_with, timeout_s=cfg.run.collective_timeout_s
+    )
+    info.layout = dataclasses.replace(
+        info.layout, experts=cfg.model.ep_size
+    )  # expert parallelism: set by the model section
+    return accelerator, info
 
 
 def announcer(accelerator):

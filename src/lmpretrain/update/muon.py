@@ -17,7 +17,11 @@ FSDP2 equals DDP), refuses 3-D expert stacks and cannot orthogonalise a DTensor 
   replica groups split that work too); under DDP each rank does its share and the results are
   all-gathered;
 * MoE expert weights (E, rows, cols) are a batch of E matrices; a projection that fuses Q, K and V in one
-  matrix (GPT-2's c_attn, split by its attention's `split_size`) is orthogonalised per projection.
+  matrix (GPT-2's c_attn, split by its attention's `split_size`) is orthogonalised per projection, and so
+  is an expert's fused gate_up_proj (its gate and up halves, or alternate outputs where the experts module
+  is not concatenated, as GPT-OSS's), each with its own lr adjustment; a router (one row per expert) goes
+  to AdamW with the embeddings and the head;
+* under expert parallelism (model.ep_size) each rank holds whole experts and orthogonalises only those.
 """
 
 from __future__ import annotations
@@ -31,30 +35,57 @@ from transformers.pytorch_utils import Conv1D
 
 from lmpretrain.errors import ConfigError
 from lmpretrain.layout import Layout
-from lmpretrain.update.muon_spread import SpreadRates, orthogonalised, replica_count, spread_decision
+from lmpretrain.model.experts import experts_modules
+from lmpretrain.update.muon_spread import (
+    SpreadRates,
+    holds_whole_experts,
+    orthogonalised,
+    replica_count,
+    spread_decision,
+)
 from lmpretrain.update.newton_schulz import batches, iteration_dtype
 from lmpretrain.update.normuon import SECOND_MOMENT, normalise_neurons, second_moment_like
 
 
-def fused_projections(block: nn.Module) -> dict[int, int]:
-    """id(weight) -> number of projections, for a Conv1D whose output a module splits in equal parts of its
-    `split_size` (GPT-2's attention computes Q, K and V with one c_attn and splits it by split_size)."""
+def fused_projections(block: nn.Module) -> dict[int, tuple[int, bool]]:
+    """id(weight) -> (number of projections, interleaved), for a weight that computes several projections
+    side by side: a Conv1D whose output a module splits in equal parts of its `split_size` (GPT-2's
+    attention computes Q, K and V with one c_attn), and a mixture of experts' gate_up_proj stack (each
+    expert's gate and up projections: halves, or every other output where the experts module says its
+    layout is not concatenated, as GPT-OSS's)."""
     fused = {}
     for module in block.modules():
         size = getattr(module, "split_size", None)
-        if not isinstance(size, int) or size <= 0:
-            continue
-        for child in module.children():
-            if isinstance(child, Conv1D) and child.nf % size == 0 and child.nf > size:
-                fused[id(child.weight)] = child.nf // size
+        if isinstance(size, int) and size > 0:
+            for child in module.children():
+                if isinstance(child, Conv1D) and child.nf % size == 0 and child.nf > size:
+                    fused[id(child.weight)] = (child.nf // size, False)
+    for experts in experts_modules(block):
+        stack = getattr(experts, "gate_up_proj", None)
+        if experts.has_gate and isinstance(stack, nn.Parameter) and stack.dim() == 3:
+            fused[id(stack)] = (2, not experts.is_concatenated)
     return fused
 
 
-def block_matrices(model: nn.Module) -> dict[int, tuple[int, int]]:
-    """id(param) -> (projections, output dim) for every weight matrix inside the transformer blocks: 2-D,
-    or 3-D as a batch (MoE experts), both last dims > 1, not an embedding's or a convolution's kernel, not
-    a per-expert bias stack. The output dim (0: rows as nn.Linear, 1: columns as transformers' Conv1D and
-    transposed expert stacks) orients the lr adjustment."""
+def routers(block: nn.Module) -> set[int]:
+    """id(weight) of each router: a matrix of one row per expert beside an experts module (its output is
+    the logits over the experts, a classifier like the LM head, which AdamW updates too)."""
+    found, stacks = set(), experts_modules(block)
+    for parent in block.modules():
+        for e in (m for m in parent.children() if any(m is s for s in stacks)):
+            # (experts, hidden): the global count, also when expert parallelism holds a part of the stack
+            shape = (next(p for p in e.parameters() if p.dim() == 3).shape[0], e.config.hidden_size)
+            for child in parent.children():
+                if child is not e:
+                    found |= {id(p) for p in child.parameters() if tuple(p.shape) == shape}
+    return found
+
+
+def block_matrices(model: nn.Module) -> dict[int, tuple[int, int, bool]]:
+    """id(param) -> (projections, output dim, interleaved) for every weight matrix inside the transformer
+    blocks: 2-D, or 3-D as a batch (MoE experts), both last dims > 1, not an embedding's or a convolution's
+    kernel, not a per-expert bias stack, not a router. The output dim (0: rows as nn.Linear, 1: columns as
+    transformers' Conv1D and transposed expert stacks) orients the lr adjustment."""
     from lmpretrain.model.speed import transformer_blocks  # here: it loads transformers' model registry
 
     blocks = transformer_blocks(model)
@@ -68,7 +99,7 @@ def block_matrices(model: nn.Module) -> dict[int, tuple[int, int]]:
     not_matrices = (nn.Embedding, nn.modules.conv._ConvNd)
     matrices = {}
     for block in blocks:
-        fused = fused_projections(block)
+        fused, to_adamw = fused_projections(block), routers(block)
         for module in block.modules():
             if isinstance(module, not_matrices):
                 continue
@@ -80,11 +111,12 @@ def block_matrices(model: nn.Module) -> dict[int, tuple[int, int]]:
             transposed = bool(getattr(module, "is_transposed", False))
             for p in own:
                 if not (p.requires_grad and p.dim() in (2, 3) and min(p.shape[-2:]) > 1) or (
-                    experts and p.dim() == 2
+                    (experts and p.dim() == 2) or id(p) in to_adamw
                 ):
                     continue
                 in_out = isinstance(module, Conv1D) or (p.dim() == 3 and transposed)
-                matrices[id(p)] = (fused.get(id(p), 1), int(in_out))
+                pieces, interleaved = fused.get(id(p), (1, False))
+                matrices[id(p)] = (pieces, int(in_out), interleaved)
     if not matrices:
         raise ConfigError(
             [
@@ -113,22 +145,23 @@ def muon_hyperparameters(optim_cfg) -> dict:
 
 
 def muon_groups(model: nn.Module, optim_cfg) -> list[dict]:
-    """One Muon group per matrix layout (projections, output dim), parameters in model order."""
+    """One Muon group per matrix layout (projections, output dim, interleaved), parameters in model order."""
     layouts = block_matrices(model)
-    by_layout: dict[tuple[int, int], list] = {}
+    by_layout: dict[tuple[int, int, bool], list] = {}
     for p in model.parameters():
         if id(p) in layouts:
             by_layout.setdefault(layouts[id(p)], []).append(p)
     groups = []
-    for (pieces, out_dim), params in sorted(by_layout.items()):
+    for (pieces, out_dim, interleaved), params in sorted(by_layout.items()):
         name = "muon" + ("_in_out" if out_dim else "") + (f"_fused{pieces}" if pieces > 1 else "")
         groups.append(
             {
                 "params": params,
-                "name": name,
+                "name": name + ("_interleaved" if interleaved else ""),
                 "kind": "muon",
                 "pieces": pieces,
                 "out_dim": out_dim,
+                "interleaved": interleaved,
                 "lr": optim_cfg.lr,
                 **muon_hyperparameters(optim_cfg),
             }
@@ -260,8 +293,10 @@ def describe_muon(optimizer: MuonAdamW) -> str:
         if g["lr_scale"] == "match_rms_adamw"
         else f"sqrt(max(1, rows/cols)) x optim.muon_lr={g['lr'] * g['lr_ratio']:.3g}"
     )
-    fused = sum(len(group["params"]) for group in groups if group["pieces"] > 1)
-    fused_note = f", {fused} fused QKV split per projection" if fused else ""
+    fused = [p.dim() for group in groups if group["pieces"] > 1 for p in group["params"]]
+    fused_note = f", {fused.count(2)} fused QKV split per projection" if 2 in fused else ""
+    if 3 in fused:
+        fused_note += f", {fused.count(3)} expert gate_up stacks split into gate and up per expert"
     coefficients = "" if g["coefficients"] == "quintic" else " (Polar Express coefficients)"
     normuon = f", per-neuron normalisation beta2={g['normuon_beta2']}" if g["normuon"] else ""
     return (
@@ -284,6 +319,13 @@ def describe_muon_implementation(
     where = spread_decision(
         params, groups, world_size, sharded, device, replicas, optimizer.spread_rates
     ).where
+    held = [(p, group) for p, group in pairs if holds_whole_experts(p)]
+    if held:  # expert parallelism: orthogonalised where they are, whatever the spread
+        mine = sum(p.to_local().shape[0] * group["pieces"] for p, group in held)
+        where += (
+            f"; expert stacks held by expert parallelism: each rank orthogonalises only its own experts' "
+            f"matrices ({mine} of {sum(map(matrix_count, [{**gr, 'params': [p]} for p, gr in held]))} here)"
+        )
     if g["normuon"]:
         sums = (
             " (its sums over the row shards: all-reduces of a few numbers per matrix)"

@@ -12,6 +12,8 @@
 * DDP (plain tensors, every rank holds every update): each rank orthogonalises its share and one
   all-gather gives every rank all the results.
 * Not spread: every rank orthogonalises every matrix (FSDP2: each update is gathered whole first).
+* Expert parallelism (model.ep_size): an expert stack is sharded on its experts over the ep group and over
+  efsdp, so every rank holds whole experts: it orthogonalises those, spread or not, and sends nothing.
 
 Every collective is a plain torch.distributed call whose sizes come from shapes only (no host reads of
 tensor values), so it runs on gloo, NCCL and a fake process group alike.
@@ -204,7 +206,14 @@ def orthogonalised(updates: list, groups: list[dict], spread: bool, over_replica
         strict=True,
     ):
         out[i] = r
-    rest = [i for i in sharded if i not in set(routable)]
+    # Expert parallelism's stacks (sharded on dim 0 over the ep group and over efsdp): each rank holds
+    # whole experts and orthogonalises only those, whatever the spread setting; nothing is sent.
+    held = [i for i in sharded if i not in set(routable) and holds_whole_experts(updates[i])]
+    for i, r in zip(
+        held, _local([updates[i].to_local() for i in held], [groups[i] for i in held]), strict=True
+    ):
+        out[i] = _like(r, updates[i])
+    rest = [i for i in sharded if i not in set(routable) | set(held)]
     if rest:  # not spread (or a placement other than dim-0 shards): every rank gathers and does every matrix
         whole = _local([updates[i].full_tensor() for i in rest], [groups[i] for i in rest])
         for i, full in zip(rest, whole, strict=True):
@@ -214,9 +223,23 @@ def orthogonalised(updates: list, groups: list[dict], spread: bool, over_replica
 
 
 def _pieces(update: torch.Tensor, group: dict) -> tuple[torch.Tensor, ...]:
-    """The update as (n, rows, cols) stacks: one per fused projection (side by side along the outputs)."""
+    """The update as (n, rows, cols) stacks: one per fused projection (side by side along the outputs, or
+    every `pieces`-th output where they are interleaved)."""
     x = update if update.dim() == 3 else update.unsqueeze(0)
-    return x.chunk(group["pieces"], dim=1 + group["out_dim"])
+    dim, n = 1 + group["out_dim"], group["pieces"]
+    if group.get("interleaved"):
+        return tuple(x[(slice(None),) * dim + (slice(i, None, n),)] for i in range(n))
+    return x.chunk(n, dim=dim)
+
+
+def _joined(parts: list[torch.Tensor], group: dict) -> torch.Tensor:
+    """The projections' results put back where `_pieces` took them from."""
+    dim = 1 + group["out_dim"]
+    if len(parts) == 1:  # the batched iteration's own output (a view), not a copy
+        return parts[0]
+    if group.get("interleaved"):
+        return torch.stack(parts, dim=dim + 1).flatten(dim, dim + 1)
+    return torch.cat(parts, dim=dim)
 
 
 def _local(updates: list[torch.Tensor], groups: list[dict]) -> list[torch.Tensor]:
@@ -233,9 +256,7 @@ def _local(updates: list[torch.Tensor], groups: list[dict]) -> list[torch.Tensor
         flat = orthogonalise_all([m for i in idx for m in mats[i]], *key)
         for i in idx:
             parts, flat = flat[: len(mats[i])], flat[len(mats[i]) :]
-            # one piece: the batched iteration's own output (a view), not a copy
-            whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1 + groups[i]["out_dim"])
-            results[i] = whole.reshape(updates[i].shape)
+            results[i] = _joined(parts, groups[i]).reshape(updates[i].shape)
     return results
 
 
@@ -279,6 +300,15 @@ def _shard_dim(update: DTensor) -> int | None:
     dims = [d for d, p in enumerate(update.placements) if p == Shard(0)]
     others = all(p == Replicate() for d, p in enumerate(update.placements) if d not in dims)
     return dims[0] if len(dims) == 1 and others else None
+
+
+def holds_whole_experts(update: torch.Tensor) -> bool:
+    """An expert stack laid out by expert parallelism: a DTensor sharded on dim 0 (the experts) over more
+    than one mesh dim (ep, efsdp) and replicated over any other (HSDP's replicas)."""
+    if not isinstance(update, DTensor) or update.dim() != 3 or _shard_dim(update) is not None:
+        return False
+    # Shard(0), and FSDP2's _StridedShard(0) over the ep group's Shard(0) (not a Shard subclass in torch 2.13)
+    return all(p.is_replicate() or getattr(p, "dim", None) == 0 for p in update.placements)
 
 
 def _replica_dim(update: DTensor) -> int | None:

@@ -8,8 +8,8 @@ norm it had before. Orthogonalisation equalises the singular values but leaves n
 uneven; this evens them out, as Adam does per entry, with one number per neuron of state.
 
 A neuron is an output feature: a row of nn.Linear's (out, in) weight, a column of transformers' Conv1D
-(in, out) and of transposed expert stacks. A fused projection (GPT-2's c_attn) is rescaled per projection,
-an expert stack per expert. The state (`second_moment`, (.., rows, 1) or (.., 1, cols)) is a DTensor laid
+(in, out) and of transposed expert stacks. A fused projection (GPT-2's c_attn, an expert's gate and up) is
+rescaled per projection, an expert stack per expert. The state (`second_moment`, (.., rows, 1) or (.., 1, cols)) is a DTensor laid
 out like its parameter under FSDP2 (row shards; replicated for a Conv1D's per-column vector), so every
 checkpoint format saves and reshards it like the momentum.
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from lmpretrain.update.muon_spread import _shard_dim, shard_rows
+from lmpretrain.update.muon_spread import _shard_dim, holds_whole_experts, shard_rows
 
 EPS = 1e-10  # a neuron whose update is all zero keeps a zero update
 # The state entry of each NorMuon matrix. A Muon checkpoint has none: resumed as NorMuon, they start at
@@ -39,7 +39,9 @@ def second_moment_like(p: torch.Tensor, out_dim: int) -> torch.Tensor:
     shape = (*p.shape[:-1], 1) if out_dim == 0 else (*p.shape[:-2], 1, p.shape[-1])
     if not isinstance(p, DTensor):
         return p.new_zeros(shape)
-    assert _shard_dim(p) is not None, f"NorMuon needs a parameter sharded on dim 0, not {p.placements}"
+    assert _shard_dim(p) is not None or holds_whole_experts(p), (
+        f"NorMuon needs a parameter sharded on dim 0, not {p.placements}"
+    )
     local = p.to_local()
     if out_dim == 0 or p.dim() == 3:  # rows (or whole experts) sharded as the parameter's
         local_shape = (*local.shape[:-1], 1) if out_dim == 0 else (*local.shape[:-2], 1, local.shape[-1])
@@ -64,7 +66,11 @@ class _View:
     """One update's local entries as (batch, rows, cols), and where its rows sit among the whole's."""
 
     def __init__(self, update: torch.Tensor, group: dict):
-        self.out_dim, self.pieces = group["out_dim"], group["pieces"]
+        self.out_dim, self.pieces, self.interleaved = (
+            group["out_dim"],
+            group["pieces"],
+            group.get("interleaved"),
+        )
         local = update.to_local() if isinstance(update, DTensor) else update
         self.local = local if local.dim() == 3 else local.unsqueeze(0)
         rows, cols = update.shape[-2:]
@@ -82,10 +88,13 @@ class _View:
         return sq.sum(dim=-1) if self.out_dim == 0 else sq.sum(dim=-2)
 
     def pieces_of(self, per_neuron: torch.Tensor) -> torch.Tensor:
-        """The projection each neuron here belongs to (fused projections sit side by side on the outputs)."""
+        """The projection each neuron here belongs to (fused projections sit side by side on the outputs, or
+        take every `pieces`-th output in turn)."""
         neurons = self.total_rows if self.out_dim == 0 else self.cols
         offset = self.row_offset if self.out_dim == 0 else 0
         ids = torch.arange(per_neuron.size(-1), device=per_neuron.device) + offset
+        if self.interleaved:
+            return ids % self.pieces
         return torch.div(ids, neurons // self.pieces, rounding_mode="floor")
 
     def piece_sums(self, per_neuron: torch.Tensor) -> torch.Tensor:

@@ -249,7 +249,9 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     step_metrics = StepMetrics(
         accelerator, meter, precision, max_norm, restarts=info.restarts, compiled=cfg.train.compile
     )
-    step_bytes = StepBytes(cfg.logging.bytes_at_step, model, optimizer, say)  # comm/*, memory/* of one step
+    step_bytes = StepBytes(  # comm/*, memory/* of one step
+        cfg.logging.bytes_at_step, model, optimizer, say, held=ema.average if ema else ()
+    )
     if state.step == 0 and cfg.eval.every:  # the baseline every curve starts from
         tracker.log({**run_eval(), "train/tokens_seen": 0}, step=0)
     while state.step < cfg.train.max_steps:

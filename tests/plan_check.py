@@ -39,15 +39,28 @@ def plan_of(run, launch: str, world: int = 2):
     )  # fmt: skip
 
 
-def compare(run, launch: str, world: int = 2) -> tuple[dict[str, tuple[float, float]], list[str]]:
+# The plan's peak (its micro-batches' or its optimizer step's, whichever is higher) against the real step's
+# peak of live tensor bytes on rank 0 (memory/peak_bytes: torch's MemTracker on the real tensors).
+PEAK_TOLERANCE = 0.10
+
+
+def compare(
+    run, launch: str, world: int = 2, peak: bool = True
+) -> tuple[dict[str, tuple[float, float]], list[str]]:
     """(planned, real) per figure, and the figures off: the bytes held not exactly equal, a collective kind
-    not within 2% (kinds under LOOP_BYTES on both sides are the loop's bookkeeping and not compared)."""
+    not within 2% (kinds under LOOP_BYTES on both sides are the loop's bookkeeping and not compared), the
+    peak not within PEAK_TOLERANCE (`peak=False`: not compared)."""
     real, plan = logged(run), plan_of(run, launch, world)
     figures = {k: (getattr(plan, k), real[f"memory/{k}_bytes"]) for k in ("params", "grads", "optimizer")}
     figures |= {k: (plan.comm[k], real[f"comm/{k}_bytes"]) for k in (*KINDS, "muon")}
+    if peak:
+        figures["peak"] = (plan.total_peak, real["memory/peak_bytes"])
     off = []
     for kind, (planned, measured) in figures.items():
-        if kind in ("params", "grads", "optimizer"):
+        if kind == "peak":
+            if abs(planned - measured) > PEAK_TOLERANCE * measured:
+                off.append(kind)
+        elif kind in ("params", "grads", "optimizer"):
             if planned != measured:
                 off.append(kind)
         elif (measured > LOOP_BYTES or planned > LOOP_BYTES) and abs(planned - measured) > 0.02 * measured:

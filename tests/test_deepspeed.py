@@ -84,7 +84,8 @@ def test_the_plan_says_what_zero2_held(zero2):
     """The planner's ZeRO-2 arithmetic against step 2 of the real engine on rank 0 (tests/plan_check.py):
     the whole 16-bit-or-wider weights, this rank's fp32 gradient partition, its fp32 master partition and
     moments, exactly; DeepSpeed's collectives within 2% too."""
-    figures, off = plan_check.compare(zero2, DS)
+    # ZeRO-2 runs unwrapped in the simulation, its buckets and partitions as arithmetic: its peak is not compared
+    figures, off = plan_check.compare(zero2, DS, peak=False)
     assert off == [] and figures["optimizer"][1] < figures["params"][1], figures  # partitioned
 
 

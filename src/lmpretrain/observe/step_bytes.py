@@ -4,7 +4,11 @@ Step N runs under `CollectiveBytes`, the planner's own counter (observe/collecti
 step dispatches, DDP's gradient buckets, FSDP2's gathers and reduce-scatters, Muon's and DeepSpeed's
 included, sized as bytes *received* per rank for ring algorithms), and at its optimizer step it reads the
 bytes this rank holds of parameters and optimizer state and the gradients the optimizer steps (ZeRO-2:
-this rank's fp32 gradient partition; DeepSpeed's transient copies in the model's dtype are not in it). They are logged once, as
+this rank's fp32 gradient partition; DeepSpeed's transient copies in the model's dtype are not in it). The step
+also runs under torch's MemTracker on the real tensors: `memory/peak_bytes` is the most bytes of tensors alive
+at once on this rank during the step (parameters, gradients, optimizer state, activations, gathered weights,
+collective buffers, temporaries; storages FSDP2 frees by resizing count as freed), the figure the plan's
+peak predicts. They are logged once, as
 `comm/<kind>_bytes` and `memory/<kind>_bytes` in that step's metrics (metrics.jsonl, W&B), and said in one
 line: what `python -m lmpretrain.plan` predicts for the same config, from the run itself (the tests
 compare the two). The step's own bookkeeping collectives (the target count, the logged numbers) are in it
@@ -49,12 +53,36 @@ def held_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     return {"params": sum(_nbytes(p) for p in params.values()), "optimizer": state + sum(map(_nbytes, own))}
 
 
+def _local_mem_tracker():
+    """torch's MemTracker seeing the local tensors of DTensor ops (FSDP2's sharded parameters, their optimizer
+    state) rather than the DTensors: as FSDPMemTracker does, a DTensor op is let run down to its local ops,
+    which the tracker then counts."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class LocalMemTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            # Each micro-batch calls the model again, which torch's tracker refuses for its per-module stats;
+            # only the step's peak is read, and that is kept apart from them.
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                    self.reset_mod_stats()
+            return super()._pre_fw_hook(module, inputs)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t is DTensor for t in types):
+                return NotImplemented
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return LocalMemTracker()
+
+
 class StepBytes:
     """`with step_bytes.at(n): <the step>` counts step n when it is `logging.bytes_at_step`; `metrics()` then
     returns its figures once (comm/<kind>_bytes for every kind, comm/muon_bytes: those of Muon's step)."""
 
-    def __init__(self, step: int, model, optimizer, say=None):
+    def __init__(self, step: int, model, optimizer, say=None, held=()):
         self.step, self.model, self.optimizer, self.say = step, model, optimizer, say
+        self.held = list(held)  # other tensors alive through the step (the EMA's average), for the peak
         self._figures: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -82,8 +110,10 @@ class StepBytes:
             inner.register_step_pre_hook(at_optimizer_step),
             inner.register_step_post_hook(after_optimizer_step),
         ]
+        tracker = _local_mem_tracker()
+        tracker.track_external(self.model, inner, *self.held)
         try:
-            with CollectiveBytes() as counted:
+            with CollectiveBytes() as counted, tracker:
                 yield
         finally:
             for hook in hooks:
@@ -96,7 +126,8 @@ class StepBytes:
             for kind, value in optimizer_step.items():
                 comm[kind] -= value
         self._figures = {f"comm/{k}_bytes": round(v) for k, v in comm.items()}
-        held = {**held_bytes(self.model, self.optimizer), "grads": sum(grads)}
+        peak = max((snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()), default=0)
+        held = {**held_bytes(self.model, self.optimizer), "grads": sum(grads), "peak": peak}
         self._figures |= {f"memory/{k}_bytes": v for k, v in held.items()}
         if self.say:
             figures = ", ".join(f"{k.split('/')[1]} {v:,}" for k, v in self._figures.items() if v)

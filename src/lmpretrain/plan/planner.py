@@ -61,6 +61,7 @@ class Plan:
                 "params": s.params,
                 "grads": s.grads,
                 "optimizer": s.optimizer,
+                "ema": s.ema,
                 "activations_peak": s.activations_peak,
                 "buffers": s.buffers,
                 "total_peak": s.total_peak,
@@ -209,6 +210,11 @@ def format_plan(plan: Plan) -> str:
         f"  params          {_gb(s.params)}",
         f"  grads           {_gb(s.grads)}",
         f"  optimizer       {_gb(s.optimizer)}",
+        *(
+            [f"  ema             {_gb(s.ema)}  (train.ema_decay: the moving average of this rank's weights)"]
+            if s.ema
+            else []
+        ),
         f"  activations     {_gb(s.activations_peak)}  (at the peak)",
         f"  buffers         {_gb(s.buffers)}  (gathered weights/grads, collective and DDP buckets, temporaries)",
         f"  total peak      {_gb(s.total_peak)}  vs {plan.memory_fraction:g} x {gpu.memory_gib:g} GiB = "

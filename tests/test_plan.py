@@ -95,8 +95,10 @@ def test_flops_equal_the_recipes_count():
     [
         ("smoke.yaml", False),
         ("smoke.yaml", True),
+        ("smoke.yaml", "selective"),  # the planner simulates selective checkpointing by the recipe's function
         pytest.param("default.yaml", False, marks=pytest.mark.slow),
         pytest.param("default.yaml", True, marks=pytest.mark.slow),
+        pytest.param("default.yaml", "selective", marks=pytest.mark.slow),
     ],
 )
 def test_fake_step_matches_the_real_step(config, checkpointing, one_thread):

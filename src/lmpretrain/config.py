@@ -229,8 +229,9 @@ class TrainConfig:
     (fastest, most memory) | full: only the block's input; the whole block is run again in backward (least
     memory, about one extra forward) | selective: the outputs of the matmuls and of the attention kernel,
     recomputing only the cheap elementwise ops between them (norms, activations, residual adds; torch's
-    selective checkpointing, torchtitan's op-level policy). false/true read as none/full. Under FSDP2 use
-    this, not the launch config's fsdp_activation_checkpointing (refused)."""
+    selective checkpointing, with the kinds of ops torchtitan's op-level policy keeps; docs/speed.md).
+    false/true read as none/full. Under FSDP2 use this, not the launch config's
+    fsdp_activation_checkpointing (refused)."""
     loss_impl: Literal["full", "chunked", "liger"] = "full"
     """full: logits of the whole micro-batch, then fp32 cross-entropy | chunked: cross-entropy from the
     final hidden states through the output embedding, loss_chunk_tokens rows at a time, gradients

@@ -146,6 +146,8 @@ def enable_activation_checkpointing(model: nn.Module, mode: str) -> str:
     Returns the log line, saying what really runs."""
     if mode == "none":
         return "activation checkpointing: none (every activation kept for backward)"
+    if mode not in ("full", "selective"):  # the config allows no other; a caller's typo must not mean full
+        raise ValueError(f"activation checkpointing mode {mode!r}: expected none, full or selective")
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(
             [

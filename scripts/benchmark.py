@@ -67,14 +67,14 @@ GPT2 |= {"attn_pdrop": 0.0}
 CHARS = "builtin:python-stdlib-chars"  # 65 symbols: the blocks, not the output head, dominate a step
 OFF = {
     "train.compile": False,
-    "train.activation_checkpointing": False,
+    "train.activation_checkpointing": "none",
     "train.loss_impl": "full",
     "optim.fused": False,
     "model.attn_implementation": "eager",
 }
 SWITCHES = {
     "compile": {"train.compile": True},
-    "activation checkpointing": {"train.activation_checkpointing": True},
+    "activation checkpointing": {"train.activation_checkpointing": "full"},
     "chunked loss": {"train.loss_impl": "chunked"},
     "fused AdamW": {"optim.fused": True},
     "sdpa attention": {"model.attn_implementation": "sdpa"},

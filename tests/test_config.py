@@ -251,3 +251,29 @@ def test_the_former_allow_mismatch_switch_is_refused_with_the_names_it_takes():
         and "micro_batch_size" in problem
     )
     assert load_config([str(smoke), "--run.allow_mismatch=[seq_len]"]).run.allow_mismatch == ["seq_len"]
+
+
+@pytest.mark.parametrize(
+    "written,mode",
+    [("false", "none"), ("true", "full"), ("none", "none"), ("full", "full"), ("selective", "selective")],
+)
+def test_activation_checkpointing_reads_a_mode_and_the_former_booleans(tmp_path, written, mode):
+    """In the YAML and on the command line alike; the rest of the code (and config.yaml, W&B) sees the mode."""
+    path = write(tmp_path, f"train:\n  activation_checkpointing: {written}\n")
+    assert load_config([path]).train.activation_checkpointing == mode
+    assert (
+        load_config(
+            [write(tmp_path, ""), f"--train.activation_checkpointing={written}"]
+        ).train.activation_checkpointing
+        == mode
+    )
+
+
+def test_an_unknown_activation_checkpointing_mode_is_one_problem_naming_the_modes(tmp_path):
+    for written, hint in (("selectve", "; did you mean 'selective'?"), ("2", "")):
+        with pytest.raises(ConfigError) as err:
+            load_config([write(tmp_path, ""), f"--train.activation_checkpointing={written}"])
+        value = repr(written) if written == "selectve" else written
+        assert err.value.problems == [
+            f"train.activation_checkpointing={value} must be one of none, full, selective{hint}"
+        ]

@@ -74,12 +74,13 @@ def test_the_plan_says_what_the_run_sent_and_held(launch, fsdp_run, two_ranks_ac
     assert off == [], figures
 
 
-def test_fsdp2_with_every_speed_switch_trains_like_ddp(two_ranks_accum2, tmp_path):
-    """Compile, activation checkpointing, the chunked loss (through the root's gathered output
-    embedding), fused AdamW and sdpa, applied before sharding: same run as DDP without them."""
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_fsdp2_with_every_speed_switch_trains_like_ddp(checkpointing, two_ranks_accum2, tmp_path):
+    """Compile, activation checkpointing (full or selective), the chunked loss (through the root's gathered
+    output embedding), fused AdamW and sdpa, applied before sharding: same run as DDP without them."""
     switches = [
         "--train.compile=true",
-        "--train.activation_checkpointing=true",
+        f"--train.activation_checkpointing={checkpointing}",
         "--train.loss_impl=chunked",
         "--train.loss_chunk_tokens=96",  # does not divide the micro-batch's rows
         "--optim.fused=true",
@@ -95,7 +96,10 @@ def test_fsdp2_with_every_speed_switch_trains_like_ddp(two_ranks_accum2, tmp_pat
         timeout=TIMEOUT,
     )
     assert "compile: 2 LlamaDecoderLayer blocks" in run.output and "AdamW implementation: fused" in run.output
-    assert "activation checkpointing: 2 blocks" in run.output and "loss: chunked (96 tokens" in run.output
+    assert (
+        f"activation checkpointing: {checkpointing}, 2 blocks" in run.output
+        and "loss: chunked (96 tokens" in run.output
+    )
     for x, y in zip(run.metrics(), two_ranks_accum2.metrics(), strict=True):
         for key in ("train/loss", "train/grad_norm", "eval/loss"):
             assert x.get(key, 0.0) == pytest.approx(y.get(key, 0.0), rel=1e-5), (key, x["step"])

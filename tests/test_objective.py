@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lmpretrain.config import Config
@@ -251,20 +252,90 @@ def test_kernels_and_losses_that_cannot_run_here_are_config_problems(small_token
 # ---- activation checkpointing and memory ------------------------------------------------------
 
 
-def test_activation_checkpointing_keeps_dropout_masks_and_the_rng_stream():
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_dropout_masks_and_the_rng_stream(mode):
     """With dropout, gradients are bit-identical with and without checkpointing, and the torch RNG ends in
     the same state (the recompute replays the saved RNG state instead of drawing new numbers)."""
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
     results = []
-    for checkpointing in (False, True):
+    for checkpointing in ("none", mode):
         model = tiny("gpt2", resid_pdrop=0.2, embd_pdrop=0.1, attn_pdrop=0.1).train()
-        if checkpointing:
-            assert "2 blocks, non-reentrant, RNG preserved" in enable_activation_checkpointing(model)
+        line = enable_activation_checkpointing(model, checkpointing)
+        assert line.startswith(f"activation checkpointing: {checkpointing}")
+        assert (
+            checkpointing == "none" or f"{mode}, 2 blocks" in line and "non-reentrant, RNG preserved" in line
+        )
         torch.manual_seed(7)
         weighted_sum(LMObjective()(model, ids, ids)).backward()
         results.append((grads(model), torch.get_rng_state()))
     (g0, rng0), (g1, rng1) = results
     assert torch.equal(g0, g1) and torch.equal(rng0, rng1)
+
+
+@pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa")])
+def test_selective_checkpointing_equals_eager_in_float64(kind, attn):
+    """Loss and every gradient equal to the model without checkpointing (float64, CPU): the kept matmul and
+    attention outputs are the forward's own, the recomputed ops run on the same inputs again."""
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    results = []
+    for mode in ("none", "selective"):
+        model = tiny(kind, attn=attn, dtype=torch.float64).train()
+        enable_activation_checkpointing(model, mode)
+        loss = weighted_sum(LMObjective()(model, ids, ids))
+        loss.backward()
+        results.append((loss.detach(), grads(model)))
+    (loss0, g0), (loss1, g1) = results
+    assert torch.equal(loss0, loss1) and torch.equal(g0, g1)
+
+
+class BackwardMatmuls(TorchDispatchMode):
+    """Counts the matmul kernels (mm, addmm, bmm) that run while it is active, by op name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "bmm"):
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_matmuls(kind: str, mode: str, attn="sdpa") -> dict[str, int]:
+    model = tiny(kind, attn=attn, dtype=torch.float64).train()
+    enable_activation_checkpointing(model, mode)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    loss = weighted_sum(LMObjective()(model, ids, ids))
+    with BackwardMatmuls() as counter:
+        loss.backward()
+    return counter.counts
+
+
+@pytest.mark.parametrize(
+    "kind,attn,forward_per_block",
+    [
+        # q, k, v, o, gate, up (no bias: mm); not down: torch's recompute stops at the last tensor backward
+        # needs, and down's output only feeds the residual add
+        ("llama", "sdpa", {"mm": 6}),
+        ("llama", "eager", {"mm": 6, "bmm": 2}),  # + the scores and the weighted values
+        # Conv1D c_attn, attn c_proj, c_fc, mlp c_proj (bias: addmm; the last feeds a dropout, whose mask is
+        # needed) + sdpa's math path, which CPU takes with attention dropout (GPT-2's default 0.1)
+        ("gpt2", "sdpa", {"addmm": 4, "bmm": 2}),
+    ],
+)
+def test_selective_checkpointing_keeps_the_matmul_outputs(kind, attn, forward_per_block):
+    """In backward, full checkpointing runs each block's forward matmuls again (2 blocks here); selective
+    runs none of them again: its backward has exactly the matmuls of the backward without checkpointing
+    (the gradients': 2 per linear layer)."""
+    none = backward_matmuls(kind, "none", attn)
+    full = backward_matmuls(kind, "full", attn)
+    selective = backward_matmuls(kind, "selective", attn)
+    recomputed = {op: full.get(op, 0) - none.get(op, 0) for op in set(full) | set(none)}
+    assert {op: n for op, n in recomputed.items() if n} == {op: 2 * n for op, n in forward_per_block.items()}
+    assert selective == none
+    # the gradients' own: input and weight of each linear layer, the blocks' (7 in Llama, 4 in GPT-2) and the head
+    assert none["mm"] == 2 * (2 * {"llama": 7, "gpt2": 4}[kind] + 1)
 
 
 def test_accelerates_own_fsdp_checkpointing_is_refused():
@@ -293,18 +364,23 @@ def peak_bytes(model, objective, ids) -> int:
 
 def test_chunked_loss_and_activation_checkpointing_lower_peak_memory():
     """Shapes where they matter: a vocabulary 64x the width (logits dominate the loss), and 8 layers of
-    256-token rows (block activations dominate once the loss is chunked)."""
+    256-token rows (block activations dominate once the loss is chunked). Selective checkpointing lies
+    between none and full."""
     ids = torch.randint(0, 2048, (2, 256), generator=torch.Generator().manual_seed(4))
     model = tiny(vocab_size=2048, num_hidden_layers=8, max_position_embeddings=256)
     chunked_loss = LMObjective(loss_impl="chunked", chunk_tokens=64)
     full = peak_bytes(model, LMObjective(), ids)
     chunked = peak_bytes(model, chunked_loss, ids)
-    enable_activation_checkpointing(model)
+    enable_activation_checkpointing(model, "selective")
+    selective = peak_bytes(model, chunked_loss, ids)
+    enable_activation_checkpointing(model, "full")
     checkpointed = peak_bytes(model, chunked_loss, ids)
     logits_fp32 = ids.numel() * 2048 * 4
     print(
         f"peak tensor memory: full loss {full / 2**20:.1f} MiB, chunked {chunked / 2**20:.1f} MiB, "
-        f"chunked + activation checkpointing {checkpointed / 2**20:.1f} MiB"
+        f"chunked + selective checkpointing {selective / 2**20:.1f} MiB, chunked + full checkpointing "
+        f"{checkpointed / 2**20:.1f} MiB"
     )
     assert chunked < full - 2 * logits_fp32  # the fp32 logits and their gradient are never held
     assert checkpointed < chunked / 2
+    assert checkpointed < selective < chunked  # it keeps the matmul and attention outputs, not the rest

@@ -22,7 +22,7 @@ from lmpretrain.observe.flops import counted_flops_per_token
 from lmpretrain.plan.__main__ import main
 from lmpretrain.plan.hardware import load_gpu
 from lmpretrain.plan.launch import read_launch
-from lmpretrain.plan.planner import make_plan
+from lmpretrain.plan.planner import format_plan, make_plan
 from lmpretrain.plan.preflight import verdict
 from lmpretrain.plan.roofline import step_time
 from lmpretrain.plan.simulate import Step, simulate
@@ -95,8 +95,10 @@ def test_flops_equal_the_recipes_count():
     [
         ("smoke.yaml", False),
         ("smoke.yaml", True),
+        ("smoke.yaml", "selective"),  # the planner simulates selective checkpointing by the recipe's function
         pytest.param("default.yaml", False, marks=pytest.mark.slow),
         pytest.param("default.yaml", True, marks=pytest.mark.slow),
+        pytest.param("default.yaml", "selective", marks=pytest.mark.slow),
     ],
 )
 def test_fake_step_matches_the_real_step(config, checkpointing, one_thread):
@@ -126,6 +128,23 @@ def test_fake_step_matches_the_real_step(config, checkpointing, one_thread):
     assert abs(fake_act - real_act) <= 0.15 * real_act
     assert abs(fake.total_peak - real.total_peak) <= 0.15 * real.total_peak
     assert fake.flops == real.flops
+
+
+def test_the_plan_prints_the_checkpointing_mode_and_selective_recomputes_no_matmul(one_thread):
+    """The simulated step (fake tensors, the recipe's checkpointing function): full recomputes the blocks'
+    forward matmuls in backward, selective none of them (its backward FLOPs are those without
+    checkpointing); the plan's step line names the mode."""
+    cfg = _cfg("smoke.yaml")
+    model_config = build_model_config(cfg.model)
+    backward = {}
+    for mode in ("none", "full", "selective"):
+        cfg.train.activation_checkpointing = mode
+        backward[mode] = simulate(cfg, model_config, Layout(), cfg.train.micro_batch_size).flops["backward"]
+    assert backward["selective"] == backward["none"] < backward["full"]
+    plan = make_plan(
+        _cfg("smoke.yaml", "--train.activation_checkpointing=selective"), Layout(), load_gpu("h100")
+    )
+    assert "activation checkpointing selective, loss" in format_plan(plan)
 
 
 def _hardware(path: Path):

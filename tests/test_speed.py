@@ -41,25 +41,32 @@ EXACT = [
 ]
 OFF = [
     "--train.compile=false",
-    "--train.activation_checkpointing=false",
+    "--train.activation_checkpointing=none",
     "--train.loss_impl=full",
     "--optim.fused=false",
     "--model.attn_implementation=eager",
 ]
 SWITCHES = {
     "compile": "--train.compile=true",
-    "activation_checkpointing": "--train.activation_checkpointing=true",
+    "activation_checkpointing": "--train.activation_checkpointing=full",
+    "selective_checkpointing": "--train.activation_checkpointing=selective",
     "chunked_loss": "--train.loss_impl=chunked",
     "fused_adamw": "--optim.fused=true",
     "sdpa": "--model.attn_implementation=sdpa",
 }
-ALL_ON = [*SWITCHES.values(), "--train.loss_chunk_tokens=96"]  # a chunk that does not divide the rows
+# selective checkpointing under compile (full is compiled in tests/test_fsdp.py); a chunk that does not
+# divide the rows
+ALL_ON = [
+    *(f for n, f in SWITCHES.items() if n != "activation_checkpointing"),
+    "--train.loss_chunk_tokens=96",
+]
 # Relative tolerances. Checkpointing recomputes the same ops: bit-identical. The chunked loss and fused
 # AdamW only change summation order: float64 noise. Compiled kernels and sdpa differ where Llama computes
 # in float32 even with float64 weights (RMSNorm, rotary embeddings, eager attention's softmax): fp32
 # noise, amplified by Adam to ~2e-7 over 12 steps here.
 TOLERANCE = {
     "activation_checkpointing": 0.0,
+    "selective_checkpointing": 0.0,
     "chunked_loss": 1e-12,
     "fused_adamw": 1e-12,
     "compile": 1e-5,
@@ -100,13 +107,19 @@ def test_what_really_runs_is_printed(runs):
     assert "[lmpretrain] attention: eager" in runs["off"].output
     assert "AdamW implementation: foreach (optim.fused=false)" in runs["off"].output
     assert "loss: full (logits of the whole micro-batch" in runs["off"].output
+    assert "[lmpretrain] activation checkpointing: none (every activation kept" in runs["off"].output
+    assert (
+        "activation checkpointing: full, 2 blocks (only each block's input kept"
+        in runs["activation_checkpointing"].output
+    )
     everything = runs["all"].output
     for line in (
         "[lmpretrain] attention: sdpa",
         "[lmpretrain] loss: chunked (96 tokens of logits at a time, from the final hidden states); "
         "document masking: off",
         "[lmpretrain] chunked loss: logits = output embedding(final hidden states) for llama, checked",
-        "[lmpretrain] activation checkpointing: 2 blocks, non-reentrant, RNG preserved",
+        "[lmpretrain] activation checkpointing: selective, 2 blocks (matmul and attention outputs kept, the "
+        "ops between them recomputed), non-reentrant, RNG preserved",
         "[lmpretrain] compile: 2 LlamaDecoderLayer blocks (torch.compile, inductor; compiled on first use)",
         "AdamW implementation: fused",
     ):

@@ -223,10 +223,15 @@ class TrainConfig:
     """torch.compile each transformer block in place (regional compilation: one graph shared by all
     blocks, parameter names unchanged); compiled during the first steps, whose time is logged once as
     perf/compile_s (benchmarks skip those steps). Sample generation stays eager."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward (transformers' checkpointing: non-reentrant,
-    RNG state preserved, so dropout runs match and resume bit-exactly): less memory, about one extra
-    forward. Under FSDP2 use this, not the launch config's fsdp_activation_checkpointing (refused)."""
+    activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
+    """What each block keeps for backward (transformers' checkpointing of each block: non-reentrant, RNG
+    state preserved, so dropout masks are replayed and runs resume bit-exactly) | none: every activation
+    (fastest, most memory) | full: only the block's input; the whole block is run again in backward (least
+    memory, about one extra forward) | selective: the outputs of the matmuls and of the attention kernel,
+    recomputing only the cheap elementwise ops between them (norms, activations, residual adds; torch's
+    selective checkpointing, with the kinds of ops torchtitan's op-level policy keeps; docs/speed.md).
+    false/true read as none/full. Under FSDP2 use this, not the launch config's
+    fsdp_activation_checkpointing (refused)."""
     loss_impl: Literal["full", "chunked", "liger"] = "full"
     """full: logits of the whole micro-batch, then fp32 cross-entropy | chunked: cross-entropy from the
     final hidden states through the output embedding, loss_chunk_tokens rows at a time, gradients
@@ -278,6 +283,11 @@ class TrainConfig:
     profile_steps: list[int] | None = None
     """[start, end]: a torch.profiler trace of steps start..end (Chrome/Perfetto JSON) and on CUDA a
     memory snapshot in <output_dir>/profile/; null = off. A CUDA out-of-memory writes a snapshot too."""
+
+    def __post_init__(self):
+        # Configs written before the selective mode said true/false; the rest of the code sees the mode only.
+        if isinstance(self.activation_checkpointing, bool):
+            self.activation_checkpointing = "full" if self.activation_checkpointing else "none"
 
 
 @dataclass

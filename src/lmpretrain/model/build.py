@@ -116,12 +116,11 @@ def contract_problems(cfg, model_class: type | None, layout: Layout) -> list[str
             f"{name}._no_split_modules is empty: {' and '.join(needs_blocks)} find the transformer blocks by the "
             f"class names it lists"
         )
-    if cfg.train.activation_checkpointing and not getattr(
-        model_class, "supports_gradient_checkpointing", False
-    ):
+    checkpointing = cfg.train.activation_checkpointing
+    if checkpointing != "none" and not getattr(model_class, "supports_gradient_checkpointing", False):
         p.append(
-            f"train.activation_checkpointing=true: {name}.supports_gradient_checkpointing is not true; set "
-            f"train.activation_checkpointing=false or implement it"
+            f"train.activation_checkpointing={checkpointing}: {name}.supports_gradient_checkpointing is not "
+            f"true; set train.activation_checkpointing=none or implement it"
         )
     if cfg.train.loss_impl != "full" and not callable(getattr(model_class, "get_output_embeddings", None)):
         p.append(f"train.loss_impl={cfg.train.loss_impl}: {name} has no get_output_embeddings()")

@@ -10,11 +10,13 @@ as one kernel, checkpoints and compiles each transformer block, and returns what
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers.activations import FastGELUActivation, GELUTanh, NewGELUActivation
 from transformers.utils import is_flash_attn_2_available
 
@@ -115,22 +117,58 @@ def fuse_gelu_tanh(model: nn.Module) -> str | None:
     return f"activation: {found} (Python, ~8 kernels) run as torch's gelu(approximate='tanh'), one kernel"
 
 
-def enable_activation_checkpointing(model: nn.Module) -> str:
-    """transformers' own checkpointing of each block: non-reentrant, and RNG state preserved so the
-    recomputed forward draws the same dropout masks (and training's RNG stream is not moved)."""
+# What selective checkpointing keeps (torchtitan's op-level policy keeps the same kinds): the matmuls (linear
+# layers are mm, or addmm with a bias as in GPT-2's Conv1D; eager attention's scores are bmm; fp8 linears
+# are _scaled_mm; grouped experts _grouped_mm) and the fused attention kernels, CPU's among them. These are
+# the expensive ops; what is left between them (norms, activations, residual adds, softmax, dropout) is
+# cheap to run again, so backward recomputes only that.
+_SAVED_BY_SELECTIVE = [
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_mm.default,
+    torch.ops.aten._grouped_mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.higher_order.flex_attention,
+]
+
+
+def enable_activation_checkpointing(model: nn.Module, mode: str) -> str:
+    """Checkpoint each block by transformers' own per-layer checkpointing, `mode` full or selective
+    (train.activation_checkpointing; none leaves the model as it is): non-reentrant, and
+    RNG state preserved so the recomputed forward draws the same dropout masks (and training's RNG stream
+    is not moved). selective hands torch.utils.checkpoint a `context_fn` of torch's
+    `create_selective_checkpoint_contexts`: the ops in _SAVED_BY_SELECTIVE are kept, the rest recomputed.
+    Returns the log line, saying what really runs."""
+    if mode == "none":
+        return "activation checkpointing: none (every activation kept for backward)"
+    if mode not in ("full", "selective"):  # the config allows no other; a caller's typo must not mean full
+        raise ValueError(f"activation checkpointing mode {mode!r}: expected none, full or selective")
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(
             [
-                f"train.activation_checkpointing=true: transformers' {type(model).__name__} does not support "
-                f"activation checkpointing; set it to false"
+                f"train.activation_checkpointing={mode}: transformers' {type(model).__name__} does not support "
+                f"activation checkpointing; set it to none"
             ]
         )
-    model.activation_checkpointing_enable({"use_reentrant": False, "preserve_rng_state": True})
+    kwargs = {"use_reentrant": False, "preserve_rng_state": True}  # context_fn needs the non-reentrant path
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _SAVED_BY_SELECTIVE)
+    model.activation_checkpointing_enable(kwargs)
     # It also hooks the input embedding to make its output require grad (for frozen embeddings, as in
     # PEFT); ours train, and under no_grad (evaluation) the hook would make compiled blocks recompile.
     model.disable_input_require_grads()
     count = sum(getattr(m, "gradient_checkpointing", False) for m in transformer_blocks(model))
-    return f"activation checkpointing: {count} blocks, non-reentrant, RNG preserved"
+    kept = (
+        "only each block's input kept, the block recomputed in backward"
+        if mode == "full"
+        else "matmul and attention outputs kept, the ops between them recomputed"
+    )
+    return f"activation checkpointing: {mode}, {count} blocks ({kept}), non-reentrant, RNG preserved"
 
 
 def compile_blocks(model: nn.Module) -> str:
@@ -173,7 +211,7 @@ def prepare_model(model: nn.Module, train_cfg, accelerator=None) -> list[str]:
             [
                 "the FSDP launch config sets fsdp_activation_checkpointing: true, whose checkpointing does not "
                 "preserve the RNG state (dropout would be recomputed with other masks): set it to false and use "
-                "train.activation_checkpointing=true"
+                "train.activation_checkpointing=full or selective"
             ]
         )
     kernel = model.config._attn_implementation
@@ -186,8 +224,7 @@ def prepare_model(model: nn.Module, train_cfg, accelerator=None) -> list[str]:
     fused = fuse_gelu_tanh(model)
     if fused:
         lines.append(fused)
-    if train_cfg.activation_checkpointing:
-        lines.append(enable_activation_checkpointing(model))
+    lines.append(enable_activation_checkpointing(model, train_cfg.activation_checkpointing))
     if train_cfg.fp8 != "none":  # before compile (torchao's casts compile into the blocks) and sharding
         lines.append(convert_to_fp8(model, train_cfg.fp8, sharded=fsdp_plugin is not None))
     if train_cfg.compile:

@@ -205,7 +205,7 @@ def format_plan(plan: Plan) -> str:
         f"  step: micro {tr.micro_batch_size} x accum {tr.grad_accum_steps} x {launch.num_processes} ranks x "
         f"{cfg.data.seq_len} tokens = {cfg.global_batch(launch.num_processes) * cfg.data.seq_len:,} tokens; "
         f"precision {tr.precision}, optimizer {cfg.optim.name}, activation checkpointing "
-        f"{'on' if tr.activation_checkpointing else 'off'}, loss {tr.loss_impl}",
+        f"{tr.activation_checkpointing}, loss {tr.loss_impl}",
         "memory per rank (rank 0 of the fake process group; torch MemTracker categories at the peak):",
         f"  params          {_gb(s.params)}",
         f"  grads           {_gb(s.grads)}",

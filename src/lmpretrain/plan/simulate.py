@@ -253,8 +253,7 @@ def _simulate(cfg, model_config, launch: Layout, micro_batch: int, *, fake: bool
         model = build_model(model_config, None, cfg.train.param_dtype)
         install_loss_forward(model)
         fuse_gelu_tanh(model)
-        if cfg.train.activation_checkpointing:
-            enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, cfg.train.activation_checkpointing)
         if deepspeed and dtype is not None:  # the engine trains 16-bit weights (fp32 masters: arithmetic)
             model.to(dtype)
         # Built before wrapping, as in the recipe (Muon finds the blocks by their class names, which FSDP2

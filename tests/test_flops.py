@@ -105,6 +105,7 @@ def test_causal_counting_and_dict_configs_and_unsupported_types():
 DEVICE_NAMES = {
     "NVIDIA H100 80GB HBM3": "h100",
     "NVIDIA H100 PCIe": "h100-pcie",
+    "NVIDIA H100 96GB HBM2e": "h100-96gb",
     "NVIDIA H100 NVL": "h100-nvl",
     "NVIDIA H200": "h200",
     "NVIDIA H200 NVL": "h200-nvl",

@@ -1,17 +1,19 @@
 """The plan's peak memory against real multi-rank steps (memory/peak_bytes, logging.bytes_at_step).
 
 The launches in test_fsdp, test_muon and test_deepspeed compare their step 2 with the plan without activation
-checkpointing at the smoke shape; these add checkpointing, a shape whose gathered weights and gradients dominate
-(many wide layers, 16-token sequences) beside one whose activations dominate (128 tokens x 4 rows), FSDP2 on 4
+checkpointing at the smoke shape; these add checkpointing (full, selective), a shape whose gathered weights and
+gradients dominate (8 wide layers, 16-token rows) beside one whose activations dominate, FSDP2 on 4
 ranks, DDP, Muon and an EMA. Each run is 3 steps; the plan of its resolved config must put the peak within
 plan_check.PEAK_TOLERANCE of rank 0's real one, and the bytes held and sent as exactly as the other checks.
-(Before the planner's FLOP counter stopped tracking modules, checkpointed blocks' recomputed activations stayed
-alive to the end of its backward: the wide FSDP2 case planned 1.3x its real peak and grew with every layer.)"""
+(Before the planner's FLOP counter stopped tracking modules, each checkpointed block's recomputed activations
+stayed alive to the end of the simulated backward: fsdp2-activations-full planned 293,203,528 bytes against a
+real 262,032,492, 1.12x, and the gap grew with every layer; now 262,085,696.)"""
 
 from __future__ import annotations
 
 import plan_check
 import pytest
+
 import recipe_runner as rr
 
 WIDE = [  # 8 layers of hidden 256, 16-token rows: parameters, gradients and gathered weights dominate
@@ -21,25 +23,34 @@ WIDE = [  # 8 layers of hidden 256, 16-token rows: parameters, gradients and gat
     "--data.seq_len=16",
     "--train.micro_batch_size=1",
 ]
-ACTIVATIONS = [  # the smoke model on 4 rows of 128 tokens: activations and logits dominate
+ACTIVATIONS = [  # 8 layers of hidden 256 on 4 rows of 128 tokens, logits chunked: the blocks' activations dominate
+    "--model.overrides.hidden_size=256",
+    "--model.overrides.intermediate_size=704",
+    "--model.overrides.num_hidden_layers=8",
     "--data.seq_len=128",
     "--model.overrides.max_position_embeddings=128",
     "--train.micro_batch_size=4",
+    "--train.loss_impl=chunked",
 ]
 STEPS = ["--train.max_steps=3", "--optim.warmup_steps=1", "--eval.every=0", "--checkpoint.every=0"]
 
 CASES = {
-    "fsdp2-wide-full-ema": (
+    "fsdp2-activations-full": ("cpu-fsdp", 2, [*ACTIVATIONS, "--train.activation_checkpointing=full"]),
+    "fsdp2-activations-selective": (
         "cpu-fsdp",
         2,
-        [*WIDE, "--train.activation_checkpointing=full", "--train.ema_decay=0.9"],
+        [*ACTIVATIONS, "--train.activation_checkpointing=selective"],
     ),
-    "fsdp2x4-activations-full-muon": (
+    "fsdp2x4-wide-full-muon": (
         "cpu-fsdp",
         4,
-        [*ACTIVATIONS, "--train.activation_checkpointing=full", "--optim.name=muon", "--data.num_streams=4"],
+        [*WIDE, "--train.activation_checkpointing=full", "--optim.name=muon", "--data.num_streams=4"],
     ),
-    "ddp-activations-full": ("cpu-ddp", 2, [*ACTIVATIONS, "--train.activation_checkpointing=full"]),
+    "ddp-activations-full-ema": (
+        "cpu-ddp",
+        2,
+        [*ACTIVATIONS, "--train.activation_checkpointing=full", "--train.ema_decay=0.9"],
+    ),
 }
 
 

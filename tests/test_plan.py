@@ -264,3 +264,37 @@ def test_muon_spread_auto_is_decided_on_the_target_gpus_roofline():
     # this CPU (the recipe's real 2-rank gloo run moves Muon's all-gather, docs/planning.md) but not on the GPU
     plan = make_plan(_cfg("smoke.yaml", "--optim.name=muon"), Layout("ddp", 2), h100)
     assert plan.step.comm["muon"] == 0 and plan.step.flops["optimizer"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["--train.activation_checkpointing=full", "--train.loss_impl=chunked", "--optim.name=muon"],
+        ["--train.activation_checkpointing=selective"],
+    ],
+    ids=["plain", "full-chunked-muon", "selective"],
+)
+def test_the_largest_micro_batch_is_one_answer(overrides):
+    """Planning at the reported largest micro-batch m says it fits, at m + 1 it does not, and planning from m
+    reports m again (the answer once depended on the micro-batch planned from: a line through one plan's
+    peak put llama-8b's largest at 9 from micro-batch 2 and 11 from 9)."""
+    cfg = _cfg(
+        "smoke.yaml", "--data.seq_len=128", "--model.overrides.max_position_embeddings=128", *overrides
+    )
+    cfg.train.micro_batch_size, cfg.train.grad_accum_steps = 1, 16
+    launch, gpu = Layout("fsdp2", 2, 1), load_gpu("h100")
+    one = simulate(cfg, build_model_config(cfg.model), launch, 1, gpu=gpu)
+    two = simulate(cfg, build_model_config(cfg.model), launch, 2, gpu=gpu)
+    # a budget of about 5.5 rows more than one row's peak
+    fraction = (one.total_peak + 5.5 * (two.total_peak - one.total_peak)) / gpu.memory_bytes
+    largest = make_plan(cfg, launch, gpu, memory_fraction=fraction).max_micro_batch
+    assert 3 <= largest <= 8, largest
+    budget = fraction * gpu.memory_bytes
+    for micro, fits in ((largest, True), (largest + 1, False)):
+        cfg.train.micro_batch_size = micro
+        plan = make_plan(cfg, launch, gpu, memory_fraction=fraction)
+        assert (plan.step.total_peak <= budget) is fits, (micro, plan.step.total_peak, budget)
+        if fits:
+            assert plan.max_micro_batch == largest

@@ -110,15 +110,44 @@ def check_hardware(cfg: Config, launch: Layout, gpu: GPU) -> None:
         )
 
 
-def largest_micro_batch(step: Step, micro_batch: int, budget: float) -> int:
-    """The largest micro-batch whose peak fits `budget` bytes: a micro-batch's activations and temporaries
-    scale with its rows; parameters, gradients (also unsharded ones kept between micro-batches), gathered
-    weights, optimizer state and the optimizer step's own peak do not."""
+def largest_micro_batch(peak_at, step: Step, micro_batch: int, budget: float, search_limit: int) -> int:
+    """The largest micro-batch whose simulated peak fits `budget` bytes. `peak_at(m)`: the total peak of the step
+    simulated at m rows. What grows with the rows (activations, temporaries, chunked logits per chunk) and what
+    does not (parameters, gradients, gathered weights, optimizer state, the optimizer step's own peak) are told
+    apart by simulating: the line through the planned micro-batch and one row more gives a first answer, which
+    is then narrowed between a micro-batch that fits and one that does not (each next guess on the line between
+    them) until they are one row apart, so that planning at the answer says it fits and at one row more it does
+    not. Past `search_limit` rows (more than a step gives a rank) the line's answer stands."""
     if step.step_peak > budget:
         return 0
-    per_row = step.row_bytes / micro_batch
-    fixed = step.micro_batch_peak - step.row_bytes
-    return max(0, int((budget - fixed) // per_row)) if per_row > 0 else micro_batch
+    peaks = {0: 0.0, micro_batch: step.total_peak}
+
+    def peak(m: int) -> float:
+        if m not in peaks:
+            peaks[m] = peak_at(m)
+        return peaks[m]
+
+    per_row = peak(micro_batch + 1) - peak(micro_batch)
+    if per_row <= 0:
+        return max(micro_batch, search_limit)
+    guess = max(1, micro_batch + int((budget - peak(micro_batch)) // per_row))
+    if guess > search_limit:
+        return guess
+    fits = max([m for m in peaks if peaks[m] <= budget])
+    over = min([m for m in peaks if peaks[m] > budget], default=None)
+    while over is None:  # the line's answer fits: double it until one does not
+        if peak(guess) <= budget:
+            fits, guess = guess, 2 * guess
+        else:
+            over = guess
+    while over - fits > 1:
+        slope = (peak(over) - peak(fits)) / (over - fits)
+        guess = min(over - 1, max(fits + 1, fits + int((budget - peak(fits)) // slope)))
+        if peak(guess) <= budget:
+            fits = guess
+        else:
+            over = guess
+    return fits
 
 
 def batch_split(rows_per_rank: int, max_micro: int) -> tuple[int, int] | None:
@@ -174,8 +203,14 @@ def make_plan(cfg: Config, launch: Layout, gpu: GPU, memory_fraction: float = 0.
         model_config, cfg.data.seq_len
     )  # the recipe's MFU basis (observe/flops.py)
     budget = memory_fraction * gpu.memory_bytes
-    max_micro = largest_micro_batch(step, cfg.train.micro_batch_size, budget)
     rows = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
+
+    def peak_at(micro: int) -> float:
+        return simulate(cfg, model_config, launch, micro, gpu=gpu).total_peak
+
+    max_micro = largest_micro_batch(
+        peak_at, step, cfg.train.micro_batch_size, budget, search_limit=max(4 * rows, 1024)
+    )
     return Plan(
         cfg,
         launch,

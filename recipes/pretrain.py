@@ -33,6 +33,7 @@ from lmpretrain.data import (
     step_counters,
 )
 from lmpretrain.model import (
+    ExpertLoad,
     LMObjective,
     MixedPrecision,
     build_model,
@@ -180,9 +181,14 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     say(describe_implementation(optimizer, cfg.optim, accelerator.device, W, fsdp2, info.layout.replicas))
     # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (set_lr before each step from the
     # updates really applied), under every backend.
+    say(*runtime.keep_buffers_loadable(model, accelerator))  # e.g. a DeepSeek-V3 router's bias under FSDP2
     model, optimizer = accelerator.prepare(model, optimizer)
     say(runtime.describe_wrapping(model, accelerator))
     say(*precompute_fp8_scales(model, optimizer, cfg.train.fp8))  # FSDP2's float8 all-gather: after each step
+    # a mixture of experts: tokens per expert (moe/load_*); with train.moe_balance=bias, the routers' biases
+    expert_load = ExpertLoad.for_run(accelerator.unwrap_model(model), cfg, accelerator)
+    if expert_load:
+        say(expert_load.describe())
     ema = WeightAverage.from_config(cfg.train, accelerator.unwrap_model(model))  # sharded like the weights
     averages = {"ema": ema} if ema else {}
     if ema:
@@ -207,6 +213,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         "scaler": precision,
         "data": PerRank(train_data, merge=merge_data_states),  # any process count resumes
         "rng": PerRank(loop_rng),
+        **({"expert_load": expert_load} if expert_load else {}),  # the loads' logging window
     }
     rollback = SpikeRollback(  # train.on_spike=rollback: a spike reloads the last checkpoint
         cfg.train, checkpointer, model=model, optimizer=optimizer, states=states, ramp=ramp, averages=averages
@@ -275,6 +282,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         straggler.observe(state.step, step["host"])  # takes its times out of the step's host numbers
         if ema and step["stepped"]:
             ema.update(state.step)
+        if expert_load:  # this step's tokens per expert (over the ranks: they move the biases)
+            expert_load.step_done(step["stepped"])
         # Too many skipped updates in a row raise TrainingDiverged.
         guard.record(state.step, step["terms"]["loss"], step["grad_norm"], step["skipped"])
         if rollback.wanted(step["skipped"]):  # back to the last checkpoint, the data since it skipped
@@ -283,6 +292,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         metrics = step_metrics(step, batch, state, lr, t_start, t_data) | step_bytes.metrics()
         warnings.observe(state.step, metrics["train/loss"], metrics["train/clipped"], step["skipped"])
         final_step = state.step == cfg.train.max_steps
+        if expert_load:
+            metrics.update(expert_load.metrics(state.step, final_step))  # every logging.every steps
         if final_step or (cfg.eval.every and state.step % cfg.eval.every == 0):  # 7. evaluate
             metrics.update(run_eval())
         log_step(state.step, metrics, terms=step["terms"])  # W&B + metrics.jsonl, the step bar, the console

@@ -9,6 +9,7 @@ accumulation 2: accelerate's FSDP type was reset after prepare, run/runtime.py. 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from lmpretrain.config import load_config
@@ -33,10 +34,9 @@ def logged(run) -> dict:
 
 def plan_of(run, launch: str, world: int = 2):
     cfg = load_config([str(run.out / "config.yaml")])
-    return simulate(
-        cfg, build_model_config(cfg.model), read_launch(str(ACCELERATE / f"{launch}.yaml"), world, 1),
-        cfg.train.micro_batch_size,
-    )  # fmt: skip
+    layout = read_launch(str(ACCELERATE / f"{launch}.yaml"), world, 1)
+    layout = dataclasses.replace(layout, experts=cfg.model.ep_size)  # as the planner sets it
+    return simulate(cfg, build_model_config(cfg.model), layout, cfg.train.micro_batch_size)
 
 
 # The plan's peak (its micro-batches' or its optimizer step's, whichever is higher) against the real step's

@@ -128,11 +128,14 @@ def test_a_model_built_from_a_config_takes_the_tokenizers_special_tokens(small_t
     )
 
 
-def test_the_router_loss_of_a_mixture_of_experts_is_refused_not_dropped(small_tokenizer):
-    cfg = load_config([str(rr.SMOKE), "--model.type=mixtral"])
+def test_router_logits_without_the_load_balancing_term_are_refused_not_dropped(small_tokenizer):
+    cfg = load_config([str(rr.SMOKE), "--model.type=mixtral", "--train.moe_balance=none"])
     cfg.model.overrides = {"output_router_logits": True, "vocab_size": 8192}
     problems = model_problems(cfg, build_model_config(cfg.model, small_tokenizer), small_tokenizer)
     assert problems == [
-        "model.overrides.output_router_logits=true asks for the router's load-balancing loss, which the "
-        "recipe's loss (the language-model loss only) would silently leave out; set it to false"
+        "model.overrides.output_router_logits=true asks for the router's load-balancing loss, which "
+        "train.moe_balance=none leaves out; set train.moe_balance=aux_loss (the recipe then asks for the router "
+        "logits itself) or drop the override"
     ]
+    cfg.train.moe_balance = "aux_loss"  # the default: the term is trained (tests/test_routing.py)
+    assert model_problems(cfg, build_model_config(cfg.model, small_tokenizer), small_tokenizer) == []

@@ -8,7 +8,7 @@ import yaml
 
 from lmpretrain.config import config_problems, load_config
 from lmpretrain.model.build import build_model, build_model_config, parameter_counts
-from lmpretrain.observe.flops import train_flops_per_token
+from lmpretrain.observe.flops import flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING = sorted((ROOT / "configs").glob("*.yaml"))
@@ -20,6 +20,7 @@ EXPECTED_PARAMS = {  # order of magnitude each recipe promises in its name/comme
     "gpt2-124m": (1.2e8, 1.3e8),
     "llama-1b": (1.0e9, 1.4e9),
     "llama-8b": (7.9e9, 8.1e9),  # Llama-3.1-8B: 8.03B
+    "moe": (5e6, 1e7),  # the default's width as 8 experts of 256, top-2: 6.7M, 3.2M active
 }
 
 
@@ -40,10 +41,16 @@ def test_config_loads_validates_and_builds_on_meta(path):
     n = parameter_counts(model)["params_total"]
     low, high = EXPECTED_PARAMS.get(path.stem, (1, float("inf")))
     assert low <= n <= high, f"{path.stem}: {n:,} parameters"
-    assert (
-        train_flops_per_token(model_config, cfg.data.seq_len)
-        > 6 * parameter_counts(model)["params_non_embedding"]
-    )
+    # The run's FLOPs per token count the experts a token is routed to (k of E), not every expert.
+    flops, source = flops_per_token(model_config, cfg.data.seq_len)
+    non_embedding = parameter_counts(model)["params_non_embedding"]
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    if experts:
+        top_k, count = model_config.num_experts_per_tok, model_config.num_experts
+        active = non_embedding - experts * (1 - top_k / count)
+        assert 6 * active < flops < 6 * non_embedding, source
+    else:
+        assert flops > 6 * non_embedding, source
 
 
 @pytest.mark.parametrize("path", LAUNCH, ids=lambda p: p.stem)

@@ -243,6 +243,22 @@ class TrainConfig:
     z_loss: float = 0.0
     """Adds z_loss * mean(logsumexp(logits)^2) over target tokens (OLMo's z-loss), normalised like the
     loss across micro-batches and ranks; logged as train/z_loss (the added term); 0 = off."""
+    moe_balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
+    """How a mixture of experts keeps its experts busy (a dense model ignores it; docs/moe.md): aux_loss: the
+    model's own load-balancing loss (transformers' load_balancing_loss_func, Switch Transformer's) is a term
+    of the objective, weight train.router_aux_loss_coef, logged train/router_aux and eval/router_aux | bias:
+    DeepSeek-V3's aux-loss-free balancing, for routers with a per-expert selection bias
+    (e_score_correction_bias): after each update every expert's bias moves by train.moe_bias_rate toward an
+    even load | none: nothing balances the experts."""
+    router_aux_loss_coef: float | None = None
+    """Weight of the load-balancing term per target token (train.moe_balance=aux_loss); null = the model
+    config's own router_aux_loss_coef (Qwen3-MoE and Mixtral 0.001, OLMoE 0.01)."""
+    router_z_loss: float = 0.0
+    """ST-MoE's router z-loss: adds router_z_loss * mean over tokens and MoE layers of logsumexp(router
+    logits)^2, logged as train/router_z and eval/router_z; 0 = off."""
+    moe_bias_rate: float = 0.001
+    """train.moe_balance=bias: how far an expert's selection bias moves after each update (DeepSeek-V3's
+    0.001): up for an expert below the mean load of its layer, down for one above."""
     max_skipped_steps: int = 10
     """Stop (exit 2) after this many consecutive skipped updates (non-finite loss or gradient, spikes);
     fp16 overflows the loss scaler answers by halving its scale (while it is >= 1) do not count."""
@@ -730,6 +746,7 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         "optim.weight_decay",
         "train.max_grad_norm",
         "train.z_loss",
+        "train.router_z_loss",
         "logging.bytes_at_step",
     ):
         section, name = key.split(".")
@@ -745,6 +762,10 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append("train.label_smoothing must be in [0, 1)")
     if not 0 < o.decay_fraction <= 1:
         p.append(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
+    if t.router_aux_loss_coef is not None and t.router_aux_loss_coef < 0:
+        p.append("train.router_aux_loss_coef must be >= 0 (null: the model config's own)")
+    if not t.moe_bias_rate > 0:
+        p.append("train.moe_bias_rate must be > 0")
     if not t.spike_sigma > 0:
         p.append("train.spike_sigma must be > 0")
     if t.on_spike == "rollback" and not t.skip_spikes:

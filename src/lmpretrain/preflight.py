@@ -59,10 +59,11 @@ def model_problems(cfg: Config, model_config, tokenizer) -> list[str]:
         )
     if tokenizer.eos_token_id is None:
         p.append(f"tokenizer '{cfg.data.tokenizer}' has no EOS token; documents cannot be separated")
-    if getattr(model_config, "output_router_logits", False):
+    if getattr(model_config, "output_router_logits", False) and cfg.train.moe_balance != "aux_loss":
         p.append(
-            "model.overrides.output_router_logits=true asks for the router's load-balancing loss, which the "
-            "recipe's loss (the language-model loss only) would silently leave out; set it to false"
+            "model.overrides.output_router_logits=true asks for the router's load-balancing loss, which "
+            f"train.moe_balance={cfg.train.moe_balance} leaves out; set train.moe_balance=aux_loss (the "
+            "recipe then asks for the router logits itself) or drop the override"
         )
     return p
 

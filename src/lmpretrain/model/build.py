@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -129,13 +131,23 @@ def contract_problems(cfg, model_class: type | None, layout: Layout) -> list[str
 
 def _refuse_unknown_overrides(config: PretrainedConfig, keys) -> None:
     """Raise naming each of ``keys`` that is not a field of ``config`` (AutoConfig would ignore it)."""
-    known = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
+    known = set(config.to_dict()) | set(getattr(config, "attribute_map", {})) | _optional_fields(config)
     named = []
     for key in (k for k in keys if k not in known):
         near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         named.append(f"model.overrides.{key}" + (f" (did you mean '{near[0]}'?)" if near else ""))
     if named:
         raise ConfigError([f"unknown field(s) for a {config.model_type} config: {', '.join(named)}"])
+
+
+def _optional_fields(config: PretrainedConfig) -> set[str]:
+    """Fields the model's code reads only when a config has them (`getattr(config, "head_dim", default)`: Qwen3-MoE's
+    config class has no head_dim, the Hub's Qwen3-30B-A3B config.json sets 128)."""
+    model_class = causal_lm_class(config)
+    if model_class is None:
+        return set()
+    source = inspect.getsource(sys.modules[model_class.__module__])
+    return set(re.findall(r"getattr\(\s*(?:self\.)?config,\s*[\"'](\w+)[\"']", source))
 
 
 def causal_lm_class(config: PretrainedConfig) -> type | None:
@@ -178,9 +190,15 @@ def build_model(
             trust_remote_code=trust_remote_code,
             **extra,
         )
-    return AutoModelForCausalLM.from_config(
+    model = AutoModelForCausalLM.from_config(
         config, dtype=dtype, attn_implementation=kernel, trust_remote_code=trust_remote_code, **extra
     )
+    # transformers keeps some modules in float32 whatever the dtype (`_keep_in_fp32_modules_strict`, e.g.
+    # DeepSeek-V3's router): a float64 run (the equality tests) is float64 throughout, as FSDP2 shards one
+    # dtype per unit. Only where needed: the planner builds under a fake mode, whose tensors cannot be swapped.
+    if dtype == torch.float64 and any(p.dtype != dtype for p in model.parameters()):
+        model.to(dtype)
+    return model
 
 
 def parameter_counts(model: nn.Module) -> dict:

@@ -1,8 +1,9 @@
 """What the model is trained on: one forward + loss for training and evaluation, as named terms.
 
 The recipe's micro-batch loop and the `Evaluator` both call `objective(model, input_ids, labels)`, which
-returns named terms, name -> `Term(sum, count, weight)`: `loss` (cross-entropy) and, with train.z_loss,
-`z_loss`. The loop reduces each term over micro-batches and ranks, adds weight * sum / (the global
+returns named terms, name -> `Term(sum, count, weight)`: `loss` (cross-entropy), with train.z_loss
+`z_loss`, and for a mixture of experts the router's `router_aux` (its load-balancing loss) and `router_z`
+(model/routing.py). The loop reduces each term over micro-batches and ranks, adds weight * sum / (the global
 batch's target count) to what it differentiates, and logs sum / count as `train/<name>` (and
 `eval/<name>` at evaluation).
 
@@ -41,6 +42,7 @@ from lmpretrain.model.loss import (
     logits_loss_sums,
     next_token_targets,
 )
+from lmpretrain.model.routing import install_router_outputs, router_terms
 
 
 def document_positions(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -99,6 +101,10 @@ class LMObjective:
     eos_token_id: int | None = None
     single_row: bool = False
     """flash-attention: pack the micro-batch into one row, where its varlen kernel sees the documents."""
+    moe_balance: str = "aux_loss"
+    """A mixture of experts' balancing (train.moe_balance); aux_loss adds the `router_aux` term."""
+    router_aux_loss_coef: float | None = None
+    router_z_loss: float = 0.0
     per_token: bool = False
     """Also return `loss`'s value at each target position (`Term.per_token`): the evaluator's per-block
     losses. Liger's fused kernel gives no per-token values."""
@@ -110,6 +116,9 @@ class LMObjective:
             chunk_tokens=cfg.train.loss_chunk_tokens,
             label_smoothing=cfg.train.label_smoothing,
             z_loss=cfg.train.z_loss,
+            moe_balance=cfg.train.moe_balance,
+            router_aux_loss_coef=cfg.train.router_aux_loss_coef,
+            router_z_loss=cfg.train.router_z_loss,
             document_masking=cfg.data.document_masking,
             eos_token_id=eos_token_id,
             single_row=cfg.data.document_masking and cfg.model.attn_implementation.startswith("flash"),
@@ -170,12 +179,13 @@ class LMObjective:
                 ]
             )
         install_loss_forward(model)
+        routing = install_router_outputs(model, self)  # a mixture of experts' router terms
         terms = (
             [f"logit terms: {', '.join(f'{n} (weight {w:g})' for n, (w, _) in extra.items())}"]
             if extra
             else []
         )
-        return [self.describe(), *terms, *check_objective(model, self)]
+        return [self.describe(), *routing, *terms, *check_objective(model, self)]
 
     def run_model(self, model, forward, **inputs) -> Forward:
         """The one call of the model for a micro-batch (inside its forward): the base model for the chunked
@@ -201,8 +211,11 @@ class LMObjective:
         sums = self._loss_sums(model, out.hidden, targets, out.logits, list(extra.values()))
         count = (targets != IGNORE_INDEX).sum()
         per_token = sums.tokens if self.per_token else None
+        router_logits = getattr(out.output, "router_logits", None)  # a mixture of experts asked for them
+        routing = router_terms(model, self, router_logits, count) if router_logits else {}
+        routing = {name: Term(value, count, weight) for name, (value, weight) in routing.items()}
         if not self.z_loss and not extra:
-            return {"loss": Term(sums.objective, count, 1.0, per_token)}
+            return {"loss": Term(sums.objective, count, 1.0, per_token), **routing}
         # The loss implementations differentiate ce + z_loss * z + the weighted logit terms as one sum (the
         # chunked loss computes its gradient in the forward); `loss` carries that gradient with the value
         # ce, the other terms their values only.
@@ -212,7 +225,7 @@ class LMObjective:
             terms["z_loss"] = Term(sums.z, count, self.z_loss)
         for (name, (weight, _)), value in zip(extra.items(), sums.extra, strict=True):
             terms[name] = Term(value, count, weight)
-        return terms
+        return {**terms, **routing}
 
     def token_loss(self, model, hidden: torch.Tensor, targets: torch.Tensor) -> LossSums:
         """The loss of `targets` ([batch, seq], IGNORE_INDEX where none) predicted from `hidden` through the

@@ -100,6 +100,8 @@ def format_log_line(
         parts.append(f"lr {m['train/lr']:.2e}")
     if "train/grad_norm" in m:
         parts.append(f"gnorm {m['train/grad_norm']:.3g}" + (" (clipped)" if m.get("train/clipped") else ""))
+    if "moe/load_max" in m:  # the busiest expert's share of its layer's tokens, against an even share
+        parts.append(f"expert load max {m['moe/load_max']:.2f}x")
     if "perf/tokens_per_s" in m:
         parts.append(f"{_si(m['perf/tokens_per_s'])} tok/s")
     if "perf/mfu" in m:

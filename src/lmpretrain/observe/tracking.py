@@ -240,6 +240,16 @@ def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _histogram(value):
+    """A list of numbers (e.g. moe/load/layer_N: each expert's share of the tokens) goes to W&B as a histogram
+    whose bins are its positions; metrics.jsonl keeps the list."""
+    if not isinstance(value, list):
+        return value
+    import wandb
+
+    return wandb.Histogram(np_histogram=(value, list(range(len(value) + 1))))
+
+
 class Tracker:
     """W&B (through accelerate) + ``metrics.jsonl`` + ``samples.jsonl`` for one run; see module doc.
 
@@ -388,7 +398,7 @@ class Tracker:
         """W&B is a mirror of metrics.jsonl: if its service dies (e.g. the scheduler's SIGTERM reached
         it too), say so once and keep training with metrics.jsonl rather than crash the run."""
         try:
-            self.accelerator.log(values, step=step)
+            self.accelerator.log({k: _histogram(v) for k, v in values.items()}, step=step)
         except Exception as err:  # noqa: BLE001 - any W&B failure must not stop training
             logger.warning(
                 "W&B logging failed at step %d (%s: %s); continuing with %s only",

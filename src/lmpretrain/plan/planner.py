@@ -16,6 +16,7 @@ from lmpretrain.plan.hardware import PlanError
 from lmpretrain.plan.roofline import OVERLAP, Timing, step_time
 from lmpretrain.plan.simulate import Step, simulate
 from lmpretrain.preflight import backend_problems
+from lmpretrain.run.expert_parallel import ep_problems
 
 # Kernels that cannot run on this CPU; sdpa stands in (FlashAttention-class memory: no S x S scores kept).
 _STAND_INS = {"flash_attention_2": "sdpa", "flex_attention": "sdpa"}
@@ -79,11 +80,6 @@ def check_config(cfg: Config, launch: Layout) -> None:
     """The recipe's own rules for this world size and backend (batch arithmetic, streams per rank, Muon
     under DeepSpeed, ...): one ConfigError naming each, exit 2."""
     problems = config_problems(cfg, launch.num_processes) + backend_problems(cfg, launch)
-    if cfg.model.ep_size > 1:  # it would plan every rank holding every expert, and no token all-to-all
-        problems.append(
-            f"model.ep_size={cfg.model.ep_size}: the planner does not simulate expert parallelism yet; plan "
-            "with --model.ep_size=1 (every rank holding every expert: an upper bound on memory)"
-        )
     if problems:
         raise ConfigError(problems, source=f"{cfg.config_path} at {launch.num_processes} processes")
 
@@ -161,9 +157,13 @@ def batch_split(rows_per_rank: int, max_micro: int) -> tuple[int, int] | None:
 def make_plan(cfg: Config, launch: Layout, gpu: GPU, memory_fraction: float = 0.9) -> Plan:
     if not 0 < memory_fraction <= 1:
         raise PlanError(f"--memory_fraction={memory_fraction} must be in (0, 1]")
+    launch = dataclasses.replace(launch, experts=cfg.model.ep_size)  # the model section sets it, as in a run
     check_hardware(cfg, launch, gpu)
     check_config(cfg, launch)
     import_model_modules(cfg.model)  # a fork's model classes register with the Auto classes, as in the recipe
+    problems = ep_problems(cfg, build_model_config(cfg.model), launch)
+    if problems:
+        raise ConfigError(problems, source=f"{cfg.config_path} at {launch.num_processes} processes")
     notes = []
     if fork_sections(cfg):
         notes.append(

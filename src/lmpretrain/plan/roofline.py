@@ -18,8 +18,9 @@ from lmpretrain.layout import Layout
 
 OVERLAP = (
     "FSDP2 all-gathers/reduce-scatters and the gradients' all-reduce (DDP's, ZeRO's, HSDP's over the replica "
-    "groups) overlap with compute (prefetched, bucketed); the optimizer step's collectives (Muon's) and FSDP2's "
-    "gradient-norm all-reduce do not"
+    "groups) overlap with compute (prefetched, bucketed); the optimizer step's collectives (Muon's), FSDP2's "
+    "gradient-norm all-reduce and expert parallelism's token all-to-alls (each waited on by the layer's experts) "
+    "do not"
 )
 
 
@@ -64,11 +65,18 @@ def step_time(step, gpu: GPU, layout: Layout, accum: int, dtype: str = "bf16") -
     ):  # its all-to-alls stay in the shard group, its replica all-gather crosses
         links = {k: per_kind["all_gather"] if k == "all_to_all" else across for k in step.muon_comm}
         comm["muon"] = sum(v / links[k] for k, v in step.muon_comm.items())
+    if layout.experts > 1:  # the tokens' all-to-alls stay in an ep group: ep consecutive ranks
+        per_kind["all_to_all"] = gpu.link_bytes_per_s(layout.spans_machines(layout.experts))
+        comm["all_to_all"] = step.comm.get("all_to_all", 0.0) / per_kind["all_to_all"]
     # The step's all-reduce is the gradients' where ranks replicate them (DDP's buckets, ZeRO's, HSDP's over the
     # replica groups: overlapped with the backward at any world size), else FSDP2's small gradient norm
     # after the backward.
     gradients = layout.replicated or layout.hsdp
-    exposed_kinds = {"muon"} | (set() if gradients else {"all_reduce"})
+    exposed_kinds = (
+        {"muon"}
+        | (set() if gradients else {"all_reduce"})
+        | ({"all_to_all"} if layout.experts > 1 else set())
+    )
     overlapped = sum(t for kind, t in comm.items() if kind not in exposed_kinds)
     exposed = sum(comm.get(kind, 0.0) for kind in exposed_kinds)
     busy = max(compute, hbm)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from accelerate import Accelerator
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
@@ -89,11 +90,24 @@ def _cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None, **kw
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+def _grouped_mm(a, b, *args, out_shape=None, **kwargs) -> int:
+    """torch's grouped matmul (a mixture of experts' grouped_mm): every row of one operand meets exactly one
+    group's matrix of the other, so its multiply-adds are those of the ungrouped product of the whole operands:
+    2D x 3D [M, K] x [G, K, N] (forward) is 2MKN, 2D x 2D grouped along K (the weights' gradient) 2MKN,
+    3D x 3D a batch, 3D x 2D grouped along N."""
+    if len(a) == 2 and len(b) == 3:  # the counter passes shapes
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 3 and len(b) == 3:
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    return 2 * a[-2] * a[-1] * b[-1]
+
+
 # sdpa on the CPU runs its own FlashAttention kernel, which torch's FLOP counter has no formula for; it is the
-# CUDA flash kernel's arithmetic (the same formulas torch uses for that one).
-_ATTENTION_FLOPS = {
+# CUDA flash kernel's arithmetic (the same formulas torch uses for that one). Likewise the grouped matmul.
+_FLOP_FORMULAS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+    torch.ops.aten._grouped_mm: _grouped_mm,  # torch's counter has no formula for it
 }
 
 
@@ -115,7 +129,7 @@ def _flop_counter() -> FlopCounterMode:
     checkpointing, those are each block's *recomputed* tensors, so every block's recomputed graph and its
     activations stayed alive to the end of backward, as no real step keeps them (a Llama of 8 blocks with
     checkpointing: 112 MB at the peak under the counter, 41 MB without it; 134 MB without checkpointing)."""
-    counter = FlopCounterMode(display=False, custom_mapping=_ATTENTION_FLOPS)
+    counter = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
     counter.mod_tracker = _NoModules()
     return counter
 
@@ -222,6 +236,28 @@ def _fsdp2(model, cfg, launch: Layout, world: int):
     return fsdp2_prepare_model(stand_in, model)
 
 
+def _shard_experts(model, cfg, launch: Layout) -> None:
+    """The experts over the ep group and FSDP2 over efsdp, before the optimizer and accelerate's FSDP2, as in the
+    recipe; the tokens exchanged as a balanced router would send them (plan/balanced_routing.py)."""
+    from lmpretrain.model.sharded_precision import fsdp_policy
+    from lmpretrain.plan import balanced_routing
+    from lmpretrain.run.expert_parallel import shard_experts
+
+    # Outside the fake mode: FSDP2 on a parameter already sharded by EP concatenates device meshes, which
+    # index a real tensor of ranks; the parameters are fake tensors and stay so (each op on them runs in
+    # their own fake mode).
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        shard_experts(
+            model,
+            launch.experts,
+            launch.num_processes,
+            launch.replicas,
+            reshard_after_forward=launch.reshard_after_forward,
+            mp_policy=fsdp_policy(cfg.train),
+            implementation=balanced_routing.NAME,
+        )
+
+
 @contextlib.contextmanager
 def _gradient_sync(model, launch: Layout, sync: bool):
     """accelerate.accumulate's no-sync for the micro-batches before the last (FSDP2: unsharded grads kept)."""
@@ -254,6 +290,8 @@ def _simulate(cfg, model_config, launch: Layout, micro_batch: int, *, fake: bool
         install_loss_forward(model)
         fuse_gelu_tanh(model)
         enable_activation_checkpointing(model, cfg.train.activation_checkpointing)
+        if launch.experts > 1:  # expert parallelism, as the recipe applies it (run/expert_parallel.py)
+            _shard_experts(model, cfg, launch)
         if deepspeed and dtype is not None:  # the engine trains 16-bit weights (fp32 masters: arithmetic)
             model.to(dtype)
         # Built before wrapping, as in the recipe (Muon finds the blocks by their class names, which FSDP2
@@ -315,7 +353,11 @@ def _simulate(cfg, model_config, launch: Layout, micro_batch: int, *, fake: bool
                 comm[kind] += repeats * value
         with CollectiveBytes() as counted:
             if cfg.train.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+                # what the recipe's accelerator.clip_grad_norm_ runs: a norm per device mesh (expert
+                # parallelism's experts have their own), combined; torch's clip_grad_norm_ with one mesh
+                Accelerator._clip_grad_norm_dtensor_aware(
+                    None, list(model.parameters()), cfg.train.max_grad_norm
+                )
         for kind, value in counted.received.items():
             comm[kind] += value
         grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)

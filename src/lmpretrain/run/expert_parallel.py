@@ -96,11 +96,18 @@ def apply(model: nn.Module, layout: Layout, accelerator) -> list[str]:
 
 
 def shard_experts(
-    model: nn.Module, ep_size: int, world: int, replicas: int = 1, reshard_after_forward=True, mp_policy=None
+    model: nn.Module,
+    ep_size: int,
+    world: int,
+    replicas: int = 1,
+    reshard_after_forward=True,
+    mp_policy=None,
+    implementation: str = "all_to_all",
 ):
     """transformers' expert parallelism on `model`, then FSDP2 on each experts module over efsdp (and the
     replica groups); returns the DistributedConfig and the experts modules. Every rank calls it, after the
-    process group is up."""
+    process group is up. `implementation`: the EPImplementation by its registered name (the planner's
+    balanced one, plan/balanced_routing.py; runs use transformers' all_to_all)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers.distributed import DistributedConfig
     from transformers.distributed.expert_parallel import apply_expert_parallelism
@@ -118,11 +125,14 @@ def shard_experts(
             f"model.ep_size={ep_size} must divide the {world // replicas} ranks of a shard group ({replicas} "
             f"replica groups x {world // replicas} shards; transformers' DistributedConfig: {err})"
         ) from err
-    _, meshes = initialize_distributed_mesh(layout)
+    with (
+        torch._subclasses.fake_tensor.unset_fake_temporarily()
+    ):  # a mesh holds real ranks (the planner's fake step)
+        _, meshes = initialize_distributed_mesh(layout)
     # transformers 5.24 resolves (and expands per layer) the model's plans only inside from_pretrained's
     # maybe_distribute_model, which also FSDP-shards everything; this is that step's expert part.
     _, plan, _ = model._resolve_parallel_plans(layout)
-    apply_expert_parallelism(model, meshes.get_mesh("ep"), meshes.get_mesh("tp"), plan, "all_to_all")
+    apply_expert_parallelism(model, meshes.get_mesh("ep"), meshes.get_mesh("tp"), plan, implementation)
     expert_mesh = meshes.get_mesh(("dp_replicate", "efsdp") if replicas > 1 else "efsdp")
     experts = [model.get_submodule(name) for name, style in plan.items() if style == DISPATCH]
     for module in experts:

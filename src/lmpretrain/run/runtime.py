@@ -228,6 +228,31 @@ def is_sharded(model) -> bool:
     return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
 
 
+def keep_buffers_loadable(model, accelerator) -> list[str]:
+    """Before `accelerator.prepare`: accelerate 1.15's FSDP2 loading with `fsdp_cpu_ram_efficient_loading`
+    (`fsdp2_load_full_state_dict`) broadcasts every state-dict entry as a sharded parameter and fails on a
+    persistent buffer (DeepSeek-V3's router bias: "'Tensor' object has no attribute 'device_mesh'"). A model
+    built from its config has the same weights on every rank (the same seed), so the broadcast is not needed
+    and is switched off; returns the start-up line. Weights loaded on rank 0 only cannot go without it."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or not plugin.cpu_ram_efficient_loading:
+        return []
+    params = {name for name, _ in model.named_parameters()}
+    buffers = [name for name in model.state_dict() if name not in params]
+    if not buffers:
+        return []
+    if any(p.is_meta for p in model.parameters()):
+        raise LaunchError(
+            f"accelerate's FSDP2 rank-0 loading (fsdp_cpu_ram_efficient_loading) cannot load this model's "
+            f"persistent buffers ({buffers[0]}, ...): set fsdp_cpu_ram_efficient_loading: false in the launch config"
+        )
+    plugin.cpu_ram_efficient_loading = False
+    return [
+        f"FSDP2 rank-0 loading switched off: accelerate's fails on persistent buffers ({len(buffers)}, e.g. "
+        f"{buffers[0]}); every rank built the same weights from the seed"
+    ]
+
+
 def describe_wrapping(model, accelerator) -> str:
     """What wraps the model after `accelerator.prepare`, and how much of it this rank holds."""
     from torch.distributed.fsdp import FSDPModule

@@ -40,6 +40,7 @@ from lmpretrain.model import (
     count_targets,
     import_model_modules,
     make_labels,
+    mup,
     parameter_counts,
     precompute_fp8_scales,
     prepare_model,
@@ -171,6 +172,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     model = build_model(
         model_config, cfg.model.pretrained, cfg.train.param_dtype, cfg.model.trust_remote_code
     )
+    if cfg.model.mup:  # μP by width: init, logits, attention and (below) the optimizer's lr per group
+        say(mup.apply(model, cfg.model.mup.base_width, "head_dim" in cfg.model.overrides).describe())
     objective = objective_class.from_config(cfg, tokenizer.eos_token_id)
     say(*objective.install(model))  # the loss runs inside the model's forward (FSDP2 needs it)
     counts = parameter_counts(model)  # after install: a fork's auxiliary modules train too

@@ -5,10 +5,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmpretrain.config import config_problems, load_config, parse_overrides
 from lmpretrain.errors import ConfigError
-from lmpretrain.model.build import build_model_config
+from lmpretrain.model.build import build_model, build_model_config
 from lmpretrain.preflight import model_problems
 
 
@@ -147,6 +148,18 @@ def test_unknown_model_override_names_the_nearest_field(tmp_path):
     cfg = load_config([write(tmp_path, "model:\n  type: llama\n  overrides: {hiden_size: 32}\n")])
     with pytest.raises(ConfigError, match="model.overrides.hiden_size \\(did you mean 'hidden_size'\\?\\)"):
         build_model_config(cfg.model)
+
+
+def test_a_field_the_model_reads_only_when_set_is_accepted_and_reaches_the_model(tmp_path):
+    """Qwen3-MoE's config class has no head_dim, but its attention reads one when a config has it (the Hub's
+    Qwen3-30B-A3B sets 128 with hidden 2048 and 32 heads); a misspelling of it is still refused."""
+    text = "model:\n  type: qwen3_moe\n  overrides: {hidden_size: 64, num_attention_heads: 4, %s: 32}\n"
+    model_config = build_model_config(load_config([write(tmp_path, text % "head_dim")]).model)
+    with torch.device("meta"):
+        model = build_model(model_config)
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)  # not 64 / 4 = 16 per head
+    with pytest.raises(ConfigError, match="model.overrides.head_dimm \\(did you mean 'head_dim'\\?\\)"):
+        build_model_config(load_config([write(tmp_path, text % "head_dimm")]).model)
 
 
 def test_overrides_reach_derived_fields(tmp_path):

@@ -20,7 +20,11 @@ EXPECTED_PARAMS = {  # order of magnitude each recipe promises in its name/comme
     "gpt2-124m": (1.2e8, 1.3e8),
     "llama-1b": (1.0e9, 1.4e9),
     "llama-8b": (7.9e9, 8.1e9),  # Llama-3.1-8B: 8.03B
-    "moe": (5e6, 1e7),  # the default's width as 8 experts of 256, top-2: 6.7M, 3.2M active
+    "moe": (5e6, 1e7),
+    "qwen3-30b-a3b": (
+        3.0e10,
+        3.1e10,
+    ),  # Qwen3-30B-A3B: 30.5B, 3.35B active  # the default's width as 8 experts of 256, top-2: 6.7M, 3.2M active
 }
 
 

@@ -104,6 +104,12 @@ class RunConfig:
 
 
 @dataclass
+class MupConfig:
+    base_width: int
+    """The hidden size the hyper-parameters were tuned at; the model's own width is its hidden_size."""
+
+
+@dataclass
 class ModelConfig:
     type: str = "llama"
     """transformers model_type for AutoConfig.for_model (llama, gpt2, qwen2, mistral, ...)."""
@@ -128,6 +134,10 @@ class ModelConfig:
     grouped matmul over tokens sorted by expert). auto: grouped_mm, or batched_mm for float64 parameters
     (torch's grouped matmul has no float64). What runs is seen on a probe of one layer's experts and
     logged ("[lmpretrain] experts: ..."); a model without experts accepts only auto (docs/moe.md)."""
+    mup: MupConfig | None = None
+    """μP by width (docs/mup.md): {base_width: N} scales the hidden matrices' init and AdamW lr, the logits and
+    (where the head width grows) the attention scores so that hyper-parameters tuned at width N transfer to
+    this model's width; equal to the plain model at width N. null: off."""
     ep_size: int = 1
     """Expert parallelism: each MoE layer's experts split over this many ranks, each token sent to its
     experts' ranks and back by all-to-all (transformers' DistributedConfig ep_size, ep_implementation
@@ -802,6 +812,16 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         p.append(f"train.ema_decay={t.ema_decay} must be in (0, 1), or null (no EMA)")
     if t.ema_start < 0:
         p.append("train.ema_start must be >= 0")
+    if cfg.model.mup is not None:
+        if cfg.model.mup.base_width < 1:
+            p.append(
+                f"model.mup.base_width={cfg.model.mup.base_width} must be >= 1 (the width the lr was tuned at)"
+            )
+        if cfg.model.pretrained:
+            p.append(
+                "model.mup changes the initialisation and the logits' scale: it starts a model from scratch, "
+                "not model.pretrained (unset one of them)"
+            )
     if cfg.model.ep_size < 1:
         p.append(f"model.ep_size={cfg.model.ep_size} must be >= 1 (1: every rank holds every expert)")
     p += batch_problems(t, world_size)

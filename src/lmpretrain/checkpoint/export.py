@@ -11,6 +11,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lmpretrain.checkpoint.checkpointer import fsync_path, fsync_tree
+from lmpretrain.model import mup
 from lmpretrain.run.distributed import broadcast_int
 
 AUXILIARY = "lmpretrain_auxiliary"
@@ -43,10 +44,11 @@ def export_pretrained(model, tokenizer, path, accelerator) -> Path:
     path = Path(path)
     inner = accelerator.unwrap_model(model)
     left_out = auxiliary_prefixes(inner)
+    folded = mup.of(inner)  # μP's logit and attention multipliers, folded into plain weights
     if type(model).__name__ == "DeepSpeedEngine":
         # ZeRO-1/2 ranks hold whole weights; the module saves its own (keeping tied embeddings tied).
         weights = None
-        if left_out:
+        if left_out or folded:
             weights = {k: v for k, v in inner.state_dict().items() if not k.startswith(left_out)}
     else:
         weights = get_model_state_dict(
@@ -54,6 +56,8 @@ def export_pretrained(model, tokenizer, path, accelerator) -> Path:
         )
         aliases = _tied_aliases(inner)
         weights = {k: v for k, v in weights.items() if k not in aliases and not k.startswith(left_out)}
+    if folded and weights is not None:
+        weights = folded.fold_for_export(weights)
     nonce = broadcast_int(int.from_bytes(os.urandom(6), "little"), accelerator)
     if accelerator.is_main_process:
         for leftover in path.parent.glob(f".tmp-{path.name}-*"):  # from an export that was killed

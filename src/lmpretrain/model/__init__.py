@@ -1,6 +1,7 @@
-"""The model and what it computes: building it, the objective and its loss kernels, a mixture of experts'
-routing, speed switches, mixed precision."""
+"""The model and what it computes: building it, μP by width, the objective and its loss kernels, a mixture of
+experts' routing, speed switches, mixed precision."""
 
+from lmpretrain.model import mup
 from lmpretrain.model.build import build_model, build_model_config, import_model_modules, parameter_counts
 from lmpretrain.model.fp8 import precompute_fp8_scales
 from lmpretrain.model.loss import IGNORE_INDEX, LossSums, count_targets, logits_loss_sums, make_labels
@@ -26,6 +27,7 @@ __all__ = [
     "import_model_modules",
     "logits_loss_sums",
     "make_labels",
+    "mup",
     "parameter_counts",
     "precompute_fp8_scales",
     "prepare_model",

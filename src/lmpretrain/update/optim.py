@@ -11,6 +11,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from lmpretrain.gpus import GPU
 from lmpretrain.layout import Layout
+from lmpretrain.model import mup
 from lmpretrain.update.muon import (
     MuonAdamW,
     describe_muon,
@@ -86,6 +87,9 @@ def build_optimizer(
     muon = muon_groups(model, optim_cfg) if optim_cfg.name in ("muon", "normuon") else []
     matrices = frozenset(id(p) for g in muon for p in g["params"])
     groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.decay_embeddings, exclude=matrices)
+    groups, muon = mup.optimizer_groups(
+        model, groups, muon, optim_cfg.muon_lr_scale
+    )  # model.mup's lr per group
     device = device or next(model.parameters()).device
     fused = optim_cfg.fused and device.type in _get_fused_kernels_supported_devices()
     adamw = dict(

@@ -115,9 +115,10 @@ def learning_rate(cfg, updates: int, ramp=None) -> float:
 
 
 def set_lr(optimizer, lr: float) -> float:
-    """Give every parameter group `lr` (the schedule scales all groups alike); returns it."""
+    """Give every parameter group `lr` (the schedule scales all groups alike), times the group's own
+    multiplier where it has one (μP's hidden matrices: model/mup.py); returns `lr`."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_mult", 1.0)
     return lr
 
 

@@ -1,0 +1,223 @@
+"""μP (Yang et al., "Tensor Programs V") by width for any transformers decoder: model.mup.base_width.
+
+Applied to the built model, not by editing its code. With m = width / base_width (width: the config's
+hidden size):
+
+* hidden matrices (every weight of two or more dimensions except the input and output embeddings) are
+  initialised with variance 1/m of transformers' own init: their values are scaled by 1/sqrt(m) after it
+  (variance proportional to 1/fan_in, equal to the model's own init at the base width);
+* the logits are scaled by 1/m: the final norm's output (the hidden states every loss implementation, the
+  model's own forward and generation read) is multiplied by 1/m, so the chunked and Liger losses and the
+  exported model see it alike; the export folds it into the final norm's weight (and bias);
+* attention scores are scaled 1/d_head instead of 1/sqrt(d_head) where the head width grows with the model
+  width: the attention modules' own `scaling` becomes sqrt(base d_head) / d_head (unchanged when the head
+  width is fixed and the heads multiply, the usual way to widen); the export folds the change into the
+  query projection (or Qwen3's query norm);
+* AdamW's lr of the hidden matrices is lr / m (`LR_MULT` in their optimizer group, which the schedule
+  applies); embeddings, norms, biases and the output layer keep lr;
+* Muon: an orthogonalised update has spectral norm ~1, so `optim.muon_lr_scale=original`
+  (sqrt(max(1, rows/cols)): sqrt(fan_out / fan_in) for the wide matrices, 1 for square ones) already meets
+  μP's spectral condition and needs no change; `match_rms_adamw` (0.2 sqrt(max(rows, cols))) grows as
+  sqrt(m), so its lr is multiplied by 1/sqrt(m) (docs/mup.md).
+
+At m = 1 nothing changes: the run is bit-identical to one without model.mup.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lmpretrain.errors import ConfigError
+
+ATTR = "_lmpretrain_mup"  # the model's μP record, read by the optimizer builder and the export
+LR_MULT = "lr_mult"  # an optimizer group's multiplier of the scheduled lr (update/schedule.py: set_lr)
+
+
+@dataclass
+class Mup:
+    width: int
+    base_width: int
+    hidden: set[int] = field(default_factory=set)  # ids of the hidden matrices
+    norm_name: str = ""  # the final norm's module name
+    one_plus: bool = False  # the final norm computes (1 + weight) x ... (Gemma)
+    queries: dict[str, float] = field(
+        default_factory=dict
+    )  # query module name -> the score factor folded at export
+
+    @property
+    def mult(self) -> float:
+        return self.width / self.base_width
+
+    def adamw_lr_mult(self) -> float:
+        return self.base_width / self.width
+
+    def muon_lr_mult(self, lr_scale: str) -> float:
+        return math.sqrt(self.base_width / self.width) if lr_scale == "match_rms_adamw" else 1.0
+
+    def describe(self) -> str:
+        m = self.mult
+        attention = (
+            f"attention scores 1/d_head in {len(self.queries)} layers"
+            if self.queries
+            else "attention unchanged (the head width does not grow with the width)"
+        )
+        return (
+            f"μP: width {self.width} over base {self.base_width} (m = {m:g}): {len(self.hidden)} hidden matrices "
+            f"initialised x {1 / math.sqrt(m):.4g} and trained at AdamW lr x {1 / m:.4g}; logits x {1 / m:.4g} "
+            f"(the final norm {self.norm_name}); {attention}"
+        )
+
+    def fold_for_export(self, weights: dict) -> dict:
+        """The state dict of a plain model that computes what this μP model computes."""
+        if self.mult == 1:
+            return weights
+        weights = dict(weights)
+        scale = 1 / self.mult
+        weight = f"{self.norm_name}.weight"
+        if self.one_plus:
+            weights[weight] = (1 + weights[weight]) * scale - 1
+        else:
+            weights[weight] = weights[weight] * scale
+        if f"{self.norm_name}.bias" in weights:
+            weights[f"{self.norm_name}.bias"] = weights[f"{self.norm_name}.bias"] * scale
+        for name, factor in self.queries.items():
+            for suffix in ("weight", "bias"):
+                if f"{name}.{suffix}" in weights:
+                    weights[f"{name}.{suffix}"] = weights[f"{name}.{suffix}"] * factor
+        return weights
+
+
+def of(model: nn.Module) -> Mup | None:
+    return getattr(model, ATTR, None)
+
+
+def optimizer_groups(model: nn.Module, adamw_groups: list[dict], muon_groups: list[dict], lr_scale: str):
+    """The optimizer's groups under μP: each AdamW group split into its hidden matrices (lr / m) and the rest,
+    each Muon group's lr multiplied as its lr adjustment needs (module doc). Unchanged without μP or at m = 1."""
+    mup = of(model)
+    if mup is None or mup.mult == 1:
+        return adamw_groups, muon_groups
+    split = []
+    for group in adamw_groups:
+        hidden = [p for p in group["params"] if id(p) in mup.hidden]
+        rest = [p for p in group["params"] if id(p) not in mup.hidden]
+        if rest or not hidden:
+            split.append({**group, "params": rest})
+        if hidden:
+            split.append(
+                {
+                    **group,
+                    "params": hidden,
+                    "name": f"{group['name']}_mup_hidden",
+                    LR_MULT: mup.adamw_lr_mult(),
+                }
+            )
+    muon = [{**g, LR_MULT: mup.muon_lr_mult(lr_scale)} for g in muon_groups]
+    return split, muon
+
+
+def apply(model: nn.Module, base_width: int, head_dim_fixed: bool = False) -> Mup:
+    """μP on a freshly initialised `model` (module doc); returns its record (also kept on the model).
+    `head_dim_fixed`: the config sets head_dim (model.overrides), so it does not follow the width."""
+    config = model.config
+    width = getattr(config, "hidden_size", None)
+    if not isinstance(width, int):
+        raise ConfigError(
+            [f"model.mup: a {config.model_type} config has no hidden_size to read the width from"]
+        )
+    if base_width < 1:
+        raise ConfigError([f"model.mup.base_width={base_width} must be >= 1 (the width the lr was tuned at)"])
+    mup = Mup(width, base_width)
+    mup.norm_name, mup.one_plus = _final_norm(model)
+    embeddings = {id(model.get_input_embeddings().weight)}
+    head = model.get_output_embeddings()
+    if head is not None:
+        embeddings.add(id(head.weight))
+    mup.hidden = {id(p) for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings}
+    mup.queries = _attention_scaling(model, config, width, base_width, head_dim_fixed)
+    setattr(model, ATTR, mup)
+    if mup.mult == 1:
+        return mup
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) in mup.hidden:
+                p.mul_(1 / math.sqrt(mup.mult))
+    norm = model.get_submodule(mup.norm_name)
+    norm.register_forward_hook(_scale_output(1 / mup.mult))
+    return mup
+
+
+def _scale_output(scale: float):
+    def hook(module, args, output):
+        return output * scale
+
+    return hook
+
+
+def _final_norm(model: nn.Module) -> tuple[str, bool]:
+    """The base model's last norm (llama's model.norm, GPT-2's transformer.ln_f), which the logits read, and
+    whether it computes (1 + weight) x (Gemma's), found by a probe on a copy."""
+    base_name = model.base_model_prefix
+    base = getattr(model, base_name, None)
+    norms = (
+        [(n, c) for n, c in base.named_children() if "norm" in type(c).__name__.lower()]
+        if base is not None
+        else []
+    )
+    if not norms or getattr(norms[-1][1], "weight", None) is None:
+        raise ConfigError(
+            [
+                f"model.mup: no final norm with a weight found in {type(model).__name__} (the logits' 1/m is folded into it)"
+            ]
+        )
+    name, norm = norms[-1]
+    probe = torch.randn(2, norm.weight.shape[-1], dtype=norm.weight.dtype, device=norm.weight.device)
+    with torch.no_grad():
+        weight = norm.weight.detach().clone()
+        norm.weight.fill_(2.0)
+        doubled = norm(probe)
+        norm.weight.fill_(1.0)
+        single = norm(probe)
+        norm.weight.copy_(weight)
+    one_plus = not torch.allclose(doubled, 2 * single, rtol=1e-3, atol=1e-6)
+    return f"{base_name}.{name}", one_plus
+
+
+def _attention_scaling(
+    model: nn.Module, config, width: int, base_width: int, fixed: bool
+) -> dict[str, float]:
+    """1/d_head scores where the head width grows with the width; the query modules and the factor their
+    export folds in. A head width fixed by the config (head_dim set, or heads growing with the width) is left."""
+    attention = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("Attention")]
+    heads = getattr(config, "num_attention_heads", None)
+    queries = {}
+    for name, module in attention:
+        head_dim = getattr(module, "head_dim", None)
+        if not isinstance(getattr(module, "scaling", None), float) or head_dim is None:
+            raise ConfigError(
+                [
+                    f"model.mup: {type(module).__name__} has no `scaling` attribute for its attention scores "
+                    "(μP scores them 1/d_head); this model type is not supported"
+                ]
+            )
+        derived = heads and head_dim * heads == width and not fixed
+        base_dim = base_width // heads if derived else head_dim
+        if base_dim == head_dim:
+            continue
+        factor = math.sqrt(base_dim / head_dim)  # sqrt(base_d) / d = factor / sqrt(d)
+        module.scaling = math.sqrt(base_dim) / head_dim
+        target = "q_norm" if hasattr(module, "q_norm") else "q_proj"
+        if not hasattr(module, target):
+            raise ConfigError(
+                [
+                    f"model.mup: the head width grows with the width ({base_dim} -> {head_dim}) and "
+                    f"{type(module).__name__} has no q_proj to fold 1/d_head into for the export; keep the head "
+                    "width fixed (set head_dim, or scale num_attention_heads with the width)"
+                ]
+            )
+        queries[f"{name}.{target}"] = factor
+    return queries

@@ -1,0 +1,117 @@
+"""μP by width (model.mup, model/mup.py): what it changes at a width, nothing at the base width, an export
+that computes what the μP model computes, and the optimizer's lr per group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import recipe_runner as rr
+from lmpretrain.config import OptimConfig, config_problems, load_config
+from lmpretrain.errors import ConfigError
+from lmpretrain.model import mup
+from lmpretrain.update.optim import build_optimizer
+from lmpretrain.update.schedule import set_lr
+
+
+def llama(width: int, heads: int = 4, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "llama", hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=heads, vocab_size=97, tie_word_embeddings=True, **kw,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+
+
+IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def test_at_the_base_width_the_model_and_its_optimizer_are_the_plain_ones():
+    plain, scaled = llama(64), llama(64)
+    record = mup.apply(scaled, base_width=64)
+    assert record.mult == 1 and not record.queries
+    for (name, a), b in zip(plain.state_dict().items(), scaled.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(plain(IDS).logits, scaled(IDS).logits)
+    cfg = OptimConfig(lr=1e-3)
+    groups = [
+        [(g["name"], len(g["params"])) for g in build_optimizer(m, cfg).param_groups] for m in (plain, scaled)
+    ]
+    assert groups[0] == groups[1]
+
+
+def test_at_4x_the_base_width():
+    """Width 256 over base 64 with 4 heads (the head count taken as fixed, so d_head grows 16 -> 64): hidden
+    matrices' init / 2, logits / 4, attention scores sqrt(16) / 64 instead of 1 / sqrt(64)."""
+    plain, scaled = llama(256), llama(256)
+    record = mup.apply(scaled, base_width=64)
+    assert record.mult == 4
+    embeddings = {id(scaled.get_input_embeddings().weight)}
+    for (name, a), b in zip(plain.named_parameters(), scaled.parameters(), strict=True):
+        expected = a / 2 if b.dim() >= 2 and id(b) not in embeddings else a
+        assert torch.equal(expected, b), name
+    assert scaled.model.layers[0].self_attn.scaling == 4 / 64
+    assert set(record.queries) == {f"model.layers.{i}.self_attn.q_proj" for i in range(2)}
+    # the logits are the head of the final norm's output / 4
+    hidden = scaled.model(IDS).last_hidden_state
+    plain_norm = scaled.model.norm._forward_hooks.copy()
+    scaled.model.norm._forward_hooks.clear()
+    unscaled = scaled.model(IDS).last_hidden_state
+    scaled.model.norm._forward_hooks.update(plain_norm)
+    assert torch.equal(hidden, unscaled * 0.25)
+    assert torch.equal(scaled(IDS).logits, scaled.lm_head(hidden))
+
+
+@pytest.mark.parametrize("head_dim", [None, 16], ids=["head-width-grows", "head-width-fixed"])
+def test_the_export_is_a_plain_model_that_computes_the_mup_models_logits(head_dim):
+    extra = {"head_dim": head_dim} if head_dim else {}
+    scaled = llama(256, 4 if head_dim is None else 16, **extra)
+    mup.apply(scaled, base_width=64, head_dim_fixed=head_dim is not None)
+    plain = llama(256, 4 if head_dim is None else 16, **extra)
+    plain.load_state_dict(mup.of(scaled).fold_for_export(scaled.state_dict()))
+    assert torch.allclose(plain(IDS).logits, scaled(IDS).logits, rtol=1e-12, atol=1e-12)
+
+
+def test_a_head_width_fixed_by_the_config_is_left_alone():
+    scaled = llama(256, 4, head_dim=16)  # 4 heads of 16 whatever the width
+    record = mup.apply(scaled, base_width=64, head_dim_fixed=True)
+    assert not record.queries and scaled.model.layers[0].self_attn.scaling == 16**-0.5
+
+
+def test_adamw_trains_the_hidden_matrices_at_lr_over_m_and_muon_keeps_its_spectral_scale():
+    scaled = llama(256)
+    record = mup.apply(scaled, base_width=64)
+    adamw = build_optimizer(scaled, OptimConfig(lr=1e-3))
+    set_lr(adamw, 1e-3)
+    lrs = {g["name"]: g["lr"] for g in adamw.param_groups}
+    assert lrs == {"decay_mup_hidden": 1e-3 / 4, "no_decay": 1e-3}  # every decaying matrix is hidden here
+    hidden = next(g for g in adamw.param_groups if g["name"] == "decay_mup_hidden")
+    assert {id(p) for p in hidden["params"]} == record.hidden
+    for scale, mult in (("match_rms_adamw", 0.5), ("original", 1.0)):
+        muon = build_optimizer(scaled, OptimConfig(name="muon", lr=1e-3, muon_lr_scale=scale))
+        set_lr(muon, 1e-3)
+        assert {g["lr"] for g in muon.param_groups if g.get("kind") == "muon"} == {1e-3 * mult}, scale
+
+
+def test_what_mup_cannot_do_is_refused_with_the_reason(tmp_path):
+    gpt2 = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("gpt2", n_embd=128, n_layer=1, n_head=4, vocab_size=97)
+    )
+    with pytest.raises(ConfigError, match="has no q_proj to fold 1/d_head into"):
+        mup.apply(gpt2, base_width=64)
+    cfg = load_config([str(rr.SMOKE), "--model.mup.base_width=0", "--model.pretrained=gpt2"])
+    problems = config_problems(cfg, 1)
+    assert "model.mup.base_width=0 must be >= 1 (the width the lr was tuned at)" in problems
+    assert any(p.startswith("model.mup changes the initialisation") for p in problems)
+
+
+@pytest.mark.slow
+def test_the_recipe_at_the_base_width_is_bit_identical_to_a_run_without_mup(tmp_path):
+    """smoke.yaml (hidden 64) with model.mup.base_width=64 through the recipe: every logged number and the
+    final weights equal a run without it (float64)."""
+    plain = rr.run(tmp_path / "plain", *rr.EXACT)
+    scaled = rr.run(tmp_path / "mup", *rr.EXACT, "--model.mup.base_width=64")
+    assert "μP: width 64 over base 64 (m = 1)" in scaled.output
+    rr.assert_bit_identical(plain, scaled)

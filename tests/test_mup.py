@@ -115,3 +115,30 @@ def test_the_recipe_at_the_base_width_is_bit_identical_to_a_run_without_mup(tmp_
     scaled = rr.run(tmp_path / "mup", *rr.EXACT, "--model.mup.base_width=64")
     assert "μP: width 64 over base 64 (m = 1)" in scaled.output
     rr.assert_bit_identical(plain, scaled)
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_each_width_and_value_once_and_reports_the_best(tmp_path):
+    """scripts/sweep.py on smoke.yaml: 2 widths x 2 lrs as parallel recipe runs, the best lr per width from
+    each run's final held-out loss; run again, nothing is redone."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable, str(rr.ROOT / "scripts" / "sweep.py"), str(rr.SMOKE), "--values", "1e-3,8e-3",
+        "--widths", "64,128", "--out", str(tmp_path), "--parallel", "2", "--",
+        "--train.max_steps=6", "--optim.warmup_steps=1", "--eval.every=6", "--model.mup.base_width=64",
+    ]  # fmt: skip
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    table = json.loads((tmp_path / "sweep.json").read_text())
+    assert set(table) == {"64", "128"} and all(set(t) == {"1e-3", "8e-3"} for t in table.values())
+    for width, losses in table.items():
+        best = min(losses, key=losses.get)
+        assert f"best optim.lr={best} ({losses[best]:.4f})" in first.stdout, width
+    assert "μP: width 128 over base 64 (m = 2)" in (tmp_path / "w128-lr8e-3" / "sweep.log").read_text()
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert "[sweep] 4 runs, 4 already finished, 0 to run" in again.stdout
+    assert json.loads((tmp_path / "sweep.json").read_text()) == table

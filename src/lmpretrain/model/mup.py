@@ -91,6 +91,19 @@ class Mup:
         return weights
 
 
+def width_overrides(width: int, head_dim: int = 32) -> dict:
+    """A Llama-style model at `width` for sweeps and coordinate checks: the MLP 8/3 x wide (rounded to 64) and
+    heads of `head_dim` (set, so the head width stays fixed and the heads multiply)."""
+    heads = max(1, width // head_dim)
+    return {
+        "hidden_size": width,
+        "intermediate_size": max(64, round(8 * width / 3 / 64) * 64),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": head_dim,
+    }
+
+
 def of(model: nn.Module) -> Mup | None:
     return getattr(model, ATTR, None)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -144,10 +145,14 @@ def _optional_fields(config: PretrainedConfig) -> set[str]:
     """Fields the model's code reads only when a config has them (`getattr(config, "head_dim", default)`: Qwen3-MoE's
     config class has no head_dim, the Hub's Qwen3-30B-A3B config.json sets 128)."""
     model_class = causal_lm_class(config)
-    if model_class is None:
-        return set()
-    source = inspect.getsource(sys.modules[model_class.__module__])
-    return set(re.findall(r"getattr\(\s*(?:self\.)?config,\s*[\"'](\w+)[\"']", source))
+    return _fields_read_by(model_class.__module__) if model_class is not None else set()
+
+
+@functools.cache
+def _fields_read_by(module: str) -> frozenset[str]:
+    """The config fields a modeling module reads with getattr (its source read once per process)."""
+    source = inspect.getsource(sys.modules[module])
+    return frozenset(re.findall(r"getattr\(\s*(?:self\.)?config,\s*[\"'](\w+)[\"']", source))
 
 
 def causal_lm_class(config: PretrainedConfig) -> type | None:

@@ -173,7 +173,8 @@ def _scale_output(scale: float):
 
 def _final_norm(model: nn.Module) -> tuple[str, bool]:
     """The base model's last norm (llama's model.norm, GPT-2's transformer.ln_f), which the logits read, and
-    whether it computes (1 + weight) x (Gemma's), found by a probe on a copy."""
+    whether it computes (1 + weight) x (Gemma's), found by a probe: the norm run with its weight set to 2 and
+    to 1 (then given its own weight back)."""
     base_name = model.base_model_prefix
     base = getattr(model, base_name, None)
     norms = (

@@ -161,9 +161,6 @@ def make_plan(cfg: Config, launch: Layout, gpu: GPU, memory_fraction: float = 0.
     check_hardware(cfg, launch, gpu)
     check_config(cfg, launch)
     import_model_modules(cfg.model)  # a fork's model classes register with the Auto classes, as in the recipe
-    problems = ep_problems(cfg, build_model_config(cfg.model), launch)
-    if problems:
-        raise ConfigError(problems, source=f"{cfg.config_path} at {launch.num_processes} processes")
     notes = []
     if fork_sections(cfg):
         notes.append(
@@ -197,6 +194,9 @@ def make_plan(cfg: Config, launch: Layout, gpu: GPU, memory_fraction: float = 0.
         notes.append("train.loss_impl=liger simulated as chunked (the same never-whole logits)")
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_impl="chunked"))
     model_config = build_model_config(cfg.model)  # no tokenizer: the vocabulary is the model config's
+    problems = ep_problems(cfg, model_config, launch)  # model.ep_size, as the recipe's pre-flight checks it
+    if problems:
+        raise ConfigError(problems, source=f"{cfg.config_path} at {launch.num_processes} processes")
     step = simulate(cfg, model_config, launch, cfg.train.micro_batch_size, gpu=gpu)
     timing = step_time(step, gpu, launch, cfg.train.grad_accum_steps, peak_dtype(cfg))
     per_token, _ = flops_per_token(

@@ -125,10 +125,7 @@ def shard_experts(
             f"model.ep_size={ep_size} must divide the {world // replicas} ranks of a shard group ({replicas} "
             f"replica groups x {world // replicas} shards; transformers' DistributedConfig: {err})"
         ) from err
-    with (
-        torch._subclasses.fake_tensor.unset_fake_temporarily()
-    ):  # a mesh holds real ranks (the planner's fake step)
-        _, meshes = initialize_distributed_mesh(layout)
+    _, meshes = initialize_distributed_mesh(layout)
     # transformers 5.24 resolves (and expands per layer) the model's plans only inside from_pretrained's
     # maybe_distribute_model, which also FSDP-shards everything; this is that step's expert part.
     _, plan, _ = model._resolve_parallel_plans(layout)

@@ -214,7 +214,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         "train": state,
         "guard": guard,
         "scaler": precision,
-        "data": PerRank(train_data, merge=merge_data_states),  # any process count resumes
+        "data": PerRank(train_data, merge=merge_data_states, reads=train_data.saved_ranks),  # any world size
         "rng": PerRank(loop_rng),
         **({"expert_load": expert_load} if expert_load else {}),  # the loads' logging window
     }

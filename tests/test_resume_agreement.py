@@ -44,13 +44,22 @@ WORKER = textwrap.dedent("""
     state.wait_for_everyone()
 
     ck = Checkpointer(views[rank], state, keep_last=3)
-    result = {"own_listing": ck.latest().name}
+    result = {"own_listing": ck.valid_checkpoints()[0].name}  # this rank alone
     for resume in ("auto", os.path.join(views[0], "checkpoints", "step-00000002")):
         path = ck.resolve_resume(resume, overwrite=False)
         m, train = model_at(0), TrainState()
         ck.load(path, model=m, optimizer=torch.optim.AdamW(m.parameters()), states={"train": train})
         result[resume if resume == "auto" else "path"] = {
             "path": str(path), "step": train.step, "weights": torch.equal(m.weight, model_at(train.step).weight)}
+    # A file only rank 1 checks (its own rank file, truncated): its reason on both ranks, and `auto` falls
+    # back to the older checkpoint on both.
+    state.wait_for_everyone()
+    step4 = os.path.join(views[0], "checkpoints", "step-00000004")
+    if rank == 1:
+        with open(os.path.join(step4, "rank-00001.pt"), "r+b") as f:
+            f.truncate(10)
+    state.wait_for_everyone()
+    result["rank_1_file"] = {"problem": ck.files_problem(step4), "auto": ck.resolve_resume("auto", False).name}
     # A path only rank 0 finds broken, and `never` over rank 0's checkpoints: the same error on both ranks.
     state.wait_for_everyone()
     if rank == 0:
@@ -84,6 +93,10 @@ def test_both_ranks_resume_the_checkpoint_rank_0_resolved(tmp_path):
             "step": 2,
             "weights": True,
         }
+    # Each rank checks its own files: rank 1's truncated rank file is its finding, said on both ranks.
+    assert r0["rank_1_file"] == r1["rank_1_file"]
+    assert r0["rank_1_file"]["problem"].startswith("rank-00001.pt has 10 bytes, the manifest says")
+    assert r0["rank_1_file"]["auto"] == "step-00000002"
     # Rank 0's errors, word for word, on both ranks (rank 1's own view of the path is intact).
     assert r0["errors"] == r1["errors"]
     broken, never = r0["errors"]

@@ -72,7 +72,7 @@ from lmpretrain.checkpoint.formats import (
     torch_save_synced,
 )
 from lmpretrain.errors import CheckpointError, ConfigError
-from lmpretrain.run.distributed import any_rank, broadcast_int, broadcast_object
+from lmpretrain.run.distributed import any_rank, broadcast_int, broadcast_object, first_problem
 from lmpretrain.run.preemption import launcher_grace_s
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ STATES_FILE = "states.pt"
 MARKER_FILE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 RANK_FILE = re.compile(r"^rank-(\d{5})\.pt$")
+PER_RANK_FILE = re.compile(r"^(?:rank-(\d{5})\.pt|dcp/__(\d+)_\d+\.distcp)$")
 
 
 def rank_file(rank: int) -> str:
@@ -96,13 +97,21 @@ def step_dir_name(step: int) -> str:
 class PerRank:
     """A state that differs by rank: every rank saves its own.
 
-    On load, ``merge`` (given every saved rank's state, in rank order) returns the state this rank
-    loads, so a different number of processes can resume (e.g. the data streams of all ranks). Without
-    ``merge`` each rank loads its own; ranks beyond the saved ones keep theirs (with a warning).
+    On load, ``merge`` (given saved ranks' states, in rank order) returns the state this rank loads, so a
+    different number of processes can resume (e.g. the data streams of all ranks); ``reads(saved world
+    size)`` names the saved ranks whose states it needs (default: all), so a rank opens those files, not
+    the whole world's. Without ``merge`` each rank loads its own; ranks beyond the saved ones keep theirs
+    (with a warning).
     """
 
     obj: object
     merge: Callable[[list], object] | None = None
+    reads: Callable[[int], list[int]] | None = None
+
+    def saved_ranks(self, rank: int, saved_world: int) -> list[int]:
+        if self.merge is None:
+            return [rank] if rank < saved_world else []
+        return sorted(self.reads(saved_world)) if self.reads is not None else list(range(saved_world))
 
 
 # ---- small helpers ---------------------------------------------------------------------------------
@@ -157,8 +166,18 @@ def _nonfinite_parameter(model) -> str | None:
 # ---- validation --------------------------------------------------------------------------------------
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` is not a loadable checkpoint, or None when it is (marker, manifest sizes, step)."""
+def checker_of(name: str, world_size: int) -> int:
+    """The rank that checks file ``name`` of a checkpoint against its manifest when ``world_size`` ranks
+    load it: a rank's own files (``rank-N.pt``, its DCP shards ``dcp/__N_*.distcp``) by rank N mod the world
+    size, the shared ones by rank 0. Every file is checked once, and a rank's share does not grow with the
+    world: at 1,024 ranks a resume is not a million stats on one shared filesystem."""
+    match = PER_RANK_FILE.match(name)
+    return 0 if match is None else int(match.group(1) or match.group(2)) % world_size
+
+
+def checkpoint_problem(path: Path, checks: Callable[[str], bool] | None = None) -> str | None:
+    """Why ``path`` is not a loadable checkpoint, or None when it is (marker, manifest, step, and the
+    sizes of the manifest's files, or of those ``checks`` selects by name)."""
     path = Path(path)
     if not path.is_dir():
         return "not a directory"
@@ -183,6 +202,8 @@ def checkpoint_problem(path: Path) -> str | None:
     if ranks != list(range(len(ranks))):
         return f"manifest has rank files {ranks}, not 0..{len(ranks) - 1}"
     for name, size in manifest.items():
+        if checks is not None and not checks(name):
+            continue
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
@@ -334,17 +355,30 @@ class Checkpointer:
         return sorted(dirs, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
 
     def valid_checkpoints(self) -> list[Path]:
-        """Every loadable checkpoint, newest first."""
+        """Every loadable checkpoint, newest first (this process checks every file: for retention)."""
         return [p for p in self._step_dirs() if checkpoint_problem(p) is None]
 
+    def files_problem(self, path: Path) -> str | None:
+        """Why this launch cannot load ``path`` (the lowest failing rank's reason), the same on every rank,
+        or None: each rank checks the structure and its share of the files (``checker_of``). Every rank must
+        call it."""
+        rank, world = self.state.process_index, self.state.num_processes
+        problem = checkpoint_problem(path, lambda name: checker_of(name, world) == rank)
+        return first_problem(problem, self.state)
+
     def latest(self) -> Path | None:
-        """The newest valid checkpoint; newer invalid ones are skipped with a warning naming them."""
-        for path in self._step_dirs():
-            problem = checkpoint_problem(path)
+        """The newest checkpoint every rank can load; newer invalid ones are skipped with a warning naming
+        them. Rank 0 lists the directory (listings cached per node could differ) and names the candidates
+        newest first; all ranks check each one. Every rank must call it."""
+        candidates = [str(p) for p in self._step_dirs()] if self.state.is_main_process else []
+        tried = 0
+        while path := broadcast_object(candidates[tried] if tried < len(candidates) else None, self.state):
+            problem = self.files_problem(Path(path))
             if problem is None:
-                return path
+                return Path(path)
             if self.state.is_main_process:
                 logger.warning("ignoring checkpoint %s: %s; falling back to an older one", path, problem)
+            tried += 1
         return None
 
     def resolve_resume(self, resume: str, overwrite: bool) -> Path | None:
@@ -353,22 +387,26 @@ class Checkpointer:
 
         Rank 0 decides and every rank gets its answer (or its error): ranks that listed the directory
         each on their own could pick different steps on a shared filesystem whose directory listings
-        are cached per node. Every rank must call it."""
+        are cached per node. Each rank checks only its share of the files. Every rank must call it."""
+        if resume == "auto":
+            return self.latest()
         answer = None
         if self.state.is_main_process:
             try:
-                path = self._resolve_resume_here(resume, overwrite)
-                answer = ("path", None if path is None else str(path))
+                answer = ("path", self._resolve_resume_here(resume, overwrite))
             except CheckpointError as err:
                 answer = ("error", str(err))
         kind, value = broadcast_object(answer, self.state)  # the deletions of `never` are done by now
         if kind == "error":
             raise CheckpointError(value)
-        return None if value is None else Path(value)
+        if value is None:
+            return None
+        problem = self.files_problem(Path(value))
+        if problem is not None:
+            raise CheckpointError(f"run.resume={value!r} is not a loadable checkpoint: {problem}")
+        return Path(value)
 
-    def _resolve_resume_here(self, resume: str, overwrite: bool) -> Path | None:
-        if resume == "auto":
-            return self.latest()
+    def _resolve_resume_here(self, resume: str, overwrite: bool) -> str | None:
         if resume == "never":
             existing = self._step_dirs()
             if existing and not overwrite:
@@ -385,14 +423,15 @@ class Checkpointer:
                 for path in existing:
                     _remove_dir(path)
             return None
-        path = Path(resume)
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(Path(resume), checks=lambda name: False)  # the files: by every rank
         if problem is not None:
             hint = ""
-            if (path / "checkpoints").is_dir():
-                hint = f" (it looks like an output dir: point at one of {path / 'checkpoints'}/step-*)"
+            if (Path(resume) / "checkpoints").is_dir():
+                hint = (
+                    f" (it looks like an output dir: point at one of {Path(resume) / 'checkpoints'}/step-*)"
+                )
             raise CheckpointError(f"run.resume={resume!r} is not a loadable checkpoint: {problem}{hint}")
-        return path
+        return resume
 
     # -- saving --
 
@@ -602,20 +641,26 @@ class Checkpointer:
     # -- loading --
 
     def metadata(self, path) -> dict:
-        """What a checkpoint was saved with (step, world size, format, config, fingerprint): no tensors read."""
+        """What a checkpoint was saved with (step, world size, format, config, fingerprint), read from its
+        marker and meta.json alone (no tensors, no other file: the files are checked by ``latest``,
+        ``resolve_resume`` and ``load``)."""
         path = Path(path)
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, checks=lambda name: False)
         if problem is not None:
             raise CheckpointError(f"cannot load {path}: {problem}")
         return _read_meta(path)
 
     def load(self, path, *, model, optimizer, states: dict, averages: dict | None = None) -> dict:
         """Restore ``model``, ``optimizer``, every object of ``states`` and the ``averages`` the checkpoint
-        holds from ``path``; returns its metadata. Every rank must call it."""
+        holds from ``path``; returns its metadata. A rank opens the shared files and the per-rank files its
+        states need (its own when the world size is the one saved), whatever the world size. Every rank
+        must call it."""
         path = Path(path)
-        meta = self.metadata(path)
+        problem = self.files_problem(path)
+        if problem is not None:
+            raise CheckpointError(f"cannot load {path}: {problem}")
+        meta = _read_meta(path)
         manifest = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
-        names = sorted(n for n in manifest if RANK_FILE.match(n))
         # The checkpoint's own format decides how to read it (a sharded one loads into any launch).
         files = self.files if meta["format"] == self.format else self._files(meta["format"])
         averages = averages or {}
@@ -623,11 +668,22 @@ class Checkpointer:
         files.load(path, manifest, model, optimizer, saved_averages)
         for name in set(averages) - set(saved_averages):
             averages[name].restart()
+        self.load_states(path, states, meta)
+        return meta
+
+    def load_states(self, path: Path, states: dict, meta: dict) -> None:
+        """The part of ``load`` after the weights: every object of ``states`` from the shared states and the
+        per-rank files its ``PerRank`` entries need (``saved_ranks``); ``meta`` is the checkpoint's."""
         shared = torch.load(path / STATES_FILE, map_location="cpu", weights_only=True)
-        saved_ranks = [torch.load(path / n, map_location="cpu", weights_only=True)["states"] for n in names]
+        rank, saved_world = self.state.process_index, meta["world_size"]
+        wanted = {r: e.saved_ranks(rank, saved_world) for r, e in states.items() if isinstance(e, PerRank)}
+        saved_ranks = {
+            r: torch.load(path / rank_file(r), map_location="cpu", weights_only=True)["states"]
+            for r in sorted(set().union(*wanted.values()))
+        }
         for name, obj in states.items():
             if isinstance(obj, PerRank):
-                self._load_per_rank(path, name, obj, [r.get(name) for r in saved_ranks])
+                self._load_per_rank(path, name, obj, [saved_ranks[r].get(name) for r in wanted[name]])
             elif name in shared:
                 obj.load_state_dict(shared[name])
             else:
@@ -635,23 +691,20 @@ class Checkpointer:
                     f"{path} has no state {name!r} (it has {sorted(shared)}): it was written by a version "
                     "of the recipe without it; resume it with that version, or start fresh"
                 )
-        return meta
 
     def _load_per_rank(self, path: Path, name: str, entry: PerRank, saved: list) -> None:
         if any(s is None for s in saved):
             raise CheckpointError(f"{path} lacks the per-rank state {name!r} in some rank files")
-        rank = self.state.process_index
         if entry.merge is not None:
             entry.obj.load_state_dict(entry.merge(saved))
-        elif rank < len(saved):
-            entry.obj.load_state_dict(saved[rank])
+        elif saved:
+            entry.obj.load_state_dict(saved[0])
         else:
             logger.warning(
-                "checkpoint %s has %r states for %d ranks; rank %d keeps its own",
+                "checkpoint %s has %r states for fewer ranks than this one; rank %d keeps its own",
                 path,
                 name,
-                len(saved),
-                rank,
+                self.state.process_index,
             )
 
 

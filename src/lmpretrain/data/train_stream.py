@@ -363,6 +363,12 @@ class TrainStream:
             "streams": copy.deepcopy(self._states),
         }
 
+    def saved_ranks(self, saved_world_size: int) -> list[int]:
+        """The ranks of a run of ``saved_world_size`` processes whose states hold this rank's streams (stream
+        s was owned by rank s mod that world size): all this rank's load needs, the same number of ranks
+        whatever the world size (its own alone when the world size is unchanged)."""
+        return sorted({s % saved_world_size for s in self.owned})
+
     def load_state_dict(self, state: dict) -> None:
         """Take this rank's streams from a state holding (at least) them, e.g. all ranks' merged states. When
         its mixture differs from this run's (weights, sources added or removed; the recipe allows that only

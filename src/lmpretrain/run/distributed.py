@@ -40,6 +40,24 @@ def broadcast_object(obj, state):
     return box[0]
 
 
+def first_problem(problem: str | None, state) -> str | None:
+    """The lowest rank's ``problem`` (a message, or None) on every rank: one int all-reduce, and a broadcast
+    from that rank only when some rank has one."""
+    if not _group_active(state):
+        return problem
+    none = state.num_processes
+    t = torch.tensor(
+        [none if problem is None else state.process_index], dtype=torch.int64, device=state.device
+    )
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    src = int(t.item())
+    if src == none:
+        return None
+    box = [problem]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def replica_digests(model, accelerator) -> list[str]:
     """sha256 of this rank's parameters, gathered from every rank (replicas must agree bit for bit)."""
     from accelerate.utils import gather_object

@@ -72,6 +72,8 @@ from lmpretrain.run import (
     check_resume,
     expert_parallel,
     halve_on_oom,
+    local_main_first,
+    on_rank_zero,
     provenance,
     read_step,
     resumed,
@@ -142,7 +144,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     cleanup.callback(accelerator.end_training)
     say = runtime.announcer(accelerator)  # say(*lines): `[lmpretrain] line` on the main process
     say(*info.startup_lines())  # the processes; which restart this is (launch --max_restarts)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    # what comes from the Hub is fetched once per machine (then read from its cache), or once per job
+    tokenizer = local_main_first(lambda: load_tokenizer(cfg.data.tokenizer), accelerator)
     import_model_modules(cfg.model)  # a fork's own model classes register with the Auto classes
     model_config = preflight(cfg, info.layout, tokenizer)  # one error lists every problem
     check_plan_fits(cfg, info, accelerator, say)  # CUDA: a run whose planned peak cannot fit stops here
@@ -152,7 +155,11 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     train_data = cleanup.enter_context(TrainStream.from_config(cfg, tokenizer, ramp, info.rank, W))
     say(train_data.describe())
     eval_size = cfg.eval.batches * cfg.eval.batch_size  # blocks, framed (BOS or not) as the training stream
-    held_out = heldout_blocks(cfg.data, tokenizer, eval_size, train_data.add_bos, accelerator.is_main_process)
+    held_out = on_rank_zero(  # rank 0 reads the held-out rows, every rank gets the blocks
+        lambda: heldout_blocks(
+            cfg.data, tokenizer, eval_size, train_data.add_bos, accelerator.is_main_process
+        )
+    )
     deepspeed, fsdp2 = info.layout.kind == "deepspeed", info.layout.kind == "fsdp2"
     precision = MixedPrecision.from_config(cfg.train, accelerator.device, engine=deepspeed)
     # eval.tasks: resolved and loaded now, so a bad task stops the run before the model is built

@@ -364,9 +364,10 @@ def _open_hub(spec: SourceSpec) -> Source:
     from datasets import load_dataset_builder  # heavy import, only where a Hub dataset is really opened
 
     from lmpretrain.progress import announce
+    from lmpretrain.run.downloads import on_rank_zero  # (lmpretrain.run imports the data package)
 
     announce(f"opening Hub dataset {spec.hub} (resolving its files over the network)")
-    listing = _on_rank_zero(lambda: _list_hub_parquet(spec))
+    listing = on_rank_zero(lambda: _list_hub_parquet(spec))
     if listing is not None:
         source = Source(spec, "parquet", listing["files"], sizes=listing["sizes"])
         source._row_group_bytes = listing["row_groups"]
@@ -405,29 +406,6 @@ def _list_hub_parquet(spec: SourceSpec) -> dict | None:
     except Exception as e:
         raise _hub_error(spec, e) from e
     return {"files": source.files, "sizes": source.sizes, "row_groups": source._row_group_bytes}
-
-
-def _on_rank_zero(fn):
-    """fn() run by rank 0 alone and its result (or its error) given to every rank of the job, so a listing
-    costs O(files) requests, not O(ranks x files). Outside a distributed job (a prepare task), just fn()."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return fn()
-    box: list = [None]
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", fn())
-        except Exception as e:  # the other ranks must not wait for a result that never comes
-            error, box[0] = e, ("error", str(e))
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    kind, value = box[0]
-    if kind == "error":
-        raise DataError(value)
-    return value
 
 
 def datasets_source(spec: SourceSpec, dataset) -> Source:

@@ -32,6 +32,7 @@ from accelerate.utils import DistributedType
 
 from lmpretrain.data.next_line_task import ensure_next_line_task
 from lmpretrain.errors import ConfigError
+from lmpretrain.run.downloads import local_main_first
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TASKS: dict[str, Callable[[], Path]] = {"python_next_line": ensure_next_line_task}
@@ -106,6 +107,14 @@ def _live_lm(model, tokenizer, accelerator, batch_size: int, dtype: torch.dtype 
     return lm
 
 
+def _loaded_or_refused(e, source: str) -> dict:
+    problems: list[str] = []
+    loaded = _load_tasks(e.tasks, e.tasks_fewshot, problems)
+    if problems:
+        raise ConfigError(problems, source=source)
+    return loaded
+
+
 class TaskSuite:
     """The loaded `eval.tasks`, and when to run them (`eval.tasks_every`)."""
 
@@ -135,8 +144,12 @@ class TaskSuite:
         if e.tasks_fewshot < 0:
             problems.append(f"eval.tasks_fewshot must be >= 0, got {e.tasks_fewshot}")
         loaded: dict = {"tasks": {}, "groups": {}, "group_map": {}}
-        if e.tasks and not problems:
-            loaded = _load_tasks(e.tasks, e.tasks_fewshot, problems)
+        if (
+            e.tasks and not problems
+        ):  # one process per machine fetches the task data, the others read its cache
+            loaded = local_main_first(
+                lambda: _loaded_or_refused(e, f"{cfg.config_path} (eval.tasks)"), accelerator
+            )
         if getattr(accelerator, "distributed_type", None) == DistributedType.FSDP:  # (None: no processes yet)
             problems += _unsynchronised_under_fsdp(loaded)
         if problems:

@@ -4,6 +4,7 @@ fingerprint."""
 
 from lmpretrain.run import expert_parallel, runtime
 from lmpretrain.run.distributed import check_replicas_identical
+from lmpretrain.run.downloads import local_main_first, on_rank_zero
 from lmpretrain.run.fingerprint import check_fingerprint, run_fingerprint
 from lmpretrain.run.oom_retry import halve_on_oom
 from lmpretrain.run.preemption import PreemptionHandler
@@ -17,6 +18,8 @@ from lmpretrain.run.straggler_watch import StragglerWatch
 from lmpretrain.run.train_state import TrainState
 
 __all__ = [
+    "local_main_first",
+    "on_rank_zero",
     "LoopRNG",
     "PreemptionHandler",
     "StallWatch",

@@ -8,6 +8,7 @@ tokenizer, a held-out dataset and a task's dataset. The recipe runs on them as 1
 fetch per file.
 """
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -118,3 +119,53 @@ def test_two_ranks_fetch_each_file_once_like_one_process(hub, tmp_path):
     )
     assert two == one, f"2 ranks: {sorted((two - one).items())} more, {sorted((one - two).items())} fewer"
     print(f"{sum(two.values())} requests on 2 ranks, {sum(one.values())} on 1; {len(fetched)} files fetched")
+
+
+WORKER = textwrap.dedent("""
+    import json, sys
+    from accelerate import PartialState
+    from huggingface_hub import constants
+    from lmpretrain.errors import DataError, UserError
+    from lmpretrain.run.downloads import local_main_first, on_rank_zero
+
+    state = PartialState(cpu=True)
+    seen = {}
+
+    def fetch():  # what the machine's main process fetches and the others read offline
+        seen.setdefault("offline", []).append(constants.HF_HUB_OFFLINE)
+        return state.process_index
+
+    def broken():
+        if state.process_index == 0:
+            raise DataError("held-out source me/gone: no such dataset")
+        return "never reached on rank 0"
+
+    constants.HF_HUB_OFFLINE = False  # as on a machine with the Hub (the test runs set HF_HUB_OFFLINE=1)
+    before = constants.HF_HUB_OFFLINE
+    result = {"first": local_main_first(fetch, state), "offline": seen["offline"], "offline_before": before,
+              "offline_after": constants.HF_HUB_OFFLINE}
+    for name, call in (("local_main_first", lambda: local_main_first(broken, state)),
+                       ("on_rank_zero", lambda: on_rank_zero(broken))):
+        try:
+            call()
+            result[name] = None
+        except UserError as err:
+            result[name] = [type(err).__name__, str(err)]
+    with open(f"{sys.argv[1]}/rank-{state.process_index}.json", "w") as f:
+        json.dump(result, f)
+    state.destroy_process_group()
+""")
+
+
+def test_the_first_processs_error_ends_every_rank_with_its_message(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    rr.launch_ranks(script, str(tmp_path), timeout=120)
+    r0, r1 = (json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2))
+    # rank 0 (the machine's main) ran in the environment's mode; rank 1 after it, offline; the switch restored
+    assert (r0["first"], r0["offline"], r1["first"], r1["offline"]) == (0, [False], 1, [True])
+    assert all(r["offline_after"] == r["offline_before"] for r in (r0, r1))
+    message = "held-out source me/gone: no such dataset"
+    assert r0["local_main_first"] == r0["on_rank_zero"] == ["DataError", message]
+    assert r1["local_main_first"] == ["UserError", message]  # rank 1 never ran `broken`
+    assert r1["on_rank_zero"] == ["DataError", message]  # rank 0's error class where it takes one message

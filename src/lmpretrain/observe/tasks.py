@@ -144,9 +144,8 @@ class TaskSuite:
         if e.tasks_fewshot < 0:
             problems.append(f"eval.tasks_fewshot must be >= 0, got {e.tasks_fewshot}")
         loaded: dict = {"tasks": {}, "groups": {}, "group_map": {}}
-        if (
-            e.tasks and not problems
-        ):  # one process per machine fetches the task data, the others read its cache
+        if e.tasks and not problems:
+            # one process per machine fetches the task data, the others read its cache
             loaded = local_main_first(
                 lambda: _loaded_or_refused(e, f"{cfg.config_path} (eval.tasks)"), accelerator
             )

@@ -18,8 +18,6 @@ from lmpretrain.run.straggler_watch import StragglerWatch
 from lmpretrain.run.train_state import TrainState
 
 __all__ = [
-    "local_main_first",
-    "on_rank_zero",
     "LoopRNG",
     "PreemptionHandler",
     "StallWatch",
@@ -30,6 +28,8 @@ __all__ = [
     "check_resume",
     "expert_parallel",
     "halve_on_oom",
+    "local_main_first",
+    "on_rank_zero",
     "provenance",
     "read_step",
     "resumed",

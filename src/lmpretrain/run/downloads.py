@@ -73,6 +73,9 @@ def local_main_first(fn, state):
         return fn()
 
 
+_alone = False  # rank 0 is inside on_rank_zero's fn
+
+
 def on_rank_zero(fn):
     """fn() run by rank 0 alone and its result (or its error) given to every rank of the job, so a listing
     or a read costs O(files) requests, not O(ranks x files). Outside a distributed job, just fn()."""
@@ -92,9 +95,6 @@ def on_rank_zero(fn):
     if kind == "error":
         raise _same_kind(*value)
     return value
-
-
-_alone = False  # rank 0 is inside on_rank_zero's fn
 
 
 def _by_rank_zero_alone(fn):

@@ -14,6 +14,9 @@ from lmpretrain.config import config_problems, load_config
 from lmpretrain.run.stall_watch import CollectiveTimeout, StallWatch, is_timeout
 from recipe_runner import SMOKE, free_port, launch_ranks
 
+# A live rank's beat thread must run within the 3 beats a judgement spans; on 2 busy cores running the
+# whole suite a 0.05 s beat can miss that window, and a live rank is then named as stopped.
+BEAT_S = 0.25
 GLOO_TIMEOUT = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv")
 
 
@@ -29,7 +32,7 @@ def launcher_store(monkeypatch):
 def test_the_rank_that_stopped_beating_is_named_with_its_step(launcher_store):
     steps = {0: 7, 1: 6, 2: 6}
     watches = [
-        StallWatch(r, 3, lambda r=r: steps[r], timeout_s=10, report_s=60, interval_s=0.05) for r in range(3)
+        StallWatch(r, 3, lambda r=r: steps[r], timeout_s=10, report_s=60, interval_s=BEAT_S) for r in range(3)
     ]
     watches[1].close()  # rank 1 stops: its beats stop with it
     with pytest.raises(CollectiveTimeout) as err, watches[0]:
@@ -48,12 +51,12 @@ def test_a_stalled_step_makes_the_lowest_live_rank_name_the_stopped_one_once(lau
     step 5 while rank 2 stops; only rank 0 (the lowest still beating) speaks, and once."""
     said = {r: [] for r in range(4)}
     watches = [
-        StallWatch(r, 4, lambda: 4, timeout_s=600, report_s=0.3, interval_s=0.05, say=said[r].append)
+        StallWatch(r, 4, lambda: 4, timeout_s=600, report_s=0.3, interval_s=BEAT_S, say=said[r].append)
         for r in range(4)
     ]
     watches[2].close()
     wait_for(said[0])
-    time.sleep(1.0)  # a few more judgements' time: nobody else speaks, rank 0 not again
+    time.sleep(12 * BEAT_S)  # a few more judgements' time: nobody else speaks, rank 0 not again
     for w in watches:
         w.close()
     assert len(said[0]) == 1 and not said[1] and not said[3], said
@@ -72,7 +75,9 @@ def test_a_live_rank_stuck_at_an_earlier_step_is_named(launcher_store):
     steps = {0: 9, 1: 8}
     said = []
     watches = [
-        StallWatch(r, 2, lambda r=r: steps[r], timeout_s=600, report_s=0.3, interval_s=0.05, say=said.append)
+        StallWatch(
+            r, 2, lambda r=r: steps[r], timeout_s=600, report_s=0.3, interval_s=BEAT_S, say=said.append
+        )
         for r in range(2)
     ]
     wait_for(said)
@@ -85,10 +90,10 @@ def test_a_long_step_of_live_ranks_at_one_step_is_not_reported(launcher_store):
     """A long eval or save: the step does not move for longer than report_s, but every rank beats."""
     said = []
     watches = [
-        StallWatch(r, 2, lambda: 3, timeout_s=600, report_s=0.2, interval_s=0.05, say=said.append)
+        StallWatch(r, 2, lambda: 3, timeout_s=600, report_s=0.2, interval_s=BEAT_S, say=said.append)
         for r in range(2)
     ]
-    time.sleep(1.5)  # several judgements
+    time.sleep(10 * BEAT_S)  # several judgements
     for w in watches:
         w.close()
     assert said == []

@@ -21,6 +21,7 @@ from lmpretrain.analysis.wandb_offline import (
     read_offline_history,
     read_offline_run,
     run_file,
+    wait_until_complete,
 )
 from lmpretrain.observe.console import ConsoleWarnings, format_log_line
 from lmpretrain.observe.tracking import (
@@ -184,6 +185,7 @@ def test_parser_stops_at_a_torn_tail_and_rejects_corruption(tmp_path, caplog):
         tracker.log(train_row(step), step)
     tracker.finish()
     path = run_file(find_offline_runs(out)[0])
+    assert wait_until_complete(path)  # finish() may return before wandb-core's last block lands
     data = path.read_bytes()
 
     torn = tmp_path / "torn.wandb"

@@ -36,6 +36,7 @@ from lmpretrain.model import (
     ExpertLoad,
     LMObjective,
     MixedPrecision,
+    ModelInit,
     build_model,
     count_targets,
     import_model_modules,
@@ -176,13 +177,23 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     say(*check_resume(saved, fingerprint, cfg))  # before the model is built: a refused resume writes nothing
 
     # ---- Build: model and its objective, speed switches, optimizer, precision, wrapping ------------
-    model = build_model(
-        model_config, cfg.model.pretrained, cfg.train.param_dtype, cfg.model.trust_remote_code
-    )
-    if cfg.model.mup:  # μP by width: init, logits, attention and (below) the optimizer's lr per group
-        say(mup.apply(model, cfg.model.mup.base_width, "head_dim" in cfg.model.overrides).describe())
     objective = objective_class.from_config(cfg, tokenizer.eos_token_id)
-    say(*objective.install(model))  # the loss runs inside the model's forward (FSDP2 needs it)
+
+    def make_model():  # the model, μP and the objective's modules: what the initial weights come from
+        model = build_model(
+            model_config, cfg.model.pretrained, cfg.train.param_dtype, cfg.model.trust_remote_code
+        )
+        lines = []
+        if cfg.model.mup:  # μP by width: init, logits, attention and (below) the optimizer's lr per group
+            lines.append(
+                mup.apply(model, cfg.model.mup.base_width, "head_dim" in cfg.model.overrides).describe()
+            )
+        lines += objective.install(model)  # the loss runs inside the model's forward (FSDP2 needs it)
+        return model, lines
+
+    init = ModelInit.for_run(cfg, info.layout)  # FSDP2: built on meta, each rank fills its own shards
+    model, lines = init.build(make_model)
+    say(*lines)
     counts = parameter_counts(model)  # after install: a fork's auxiliary modules train too
     say(*prepare_model(model, cfg.train, accelerator))  # attention, experts, checkpointing, compile
     say(*expert_parallel.apply(model, info.layout, accelerator))  # model.ep_size
@@ -191,6 +202,9 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     say(describe_implementation(optimizer, cfg.optim, accelerator.device, W, fsdp2, info.layout.replicas))
     # DDP / FSDP / DeepSpeed wrapping. The schedule stays ours (set_lr before each step from the
     # updates really applied), under every backend.
+    say(
+        *init.materialise(model, optimizer, accelerator)
+    )  # meta: sharded here, then this rank's shards filled
     say(*runtime.keep_buffers_loadable(model, accelerator))  # e.g. a DeepSeek-V3 router's bias under FSDP2
     model, optimizer = accelerator.prepare(model, optimizer)
     say(runtime.describe_wrapping(model, accelerator))

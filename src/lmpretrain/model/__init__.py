@@ -5,6 +5,7 @@ from lmpretrain.model import mup
 from lmpretrain.model.build import build_model, build_model_config, import_model_modules, parameter_counts
 from lmpretrain.model.fp8 import precompute_fp8_scales
 from lmpretrain.model.loss import IGNORE_INDEX, LossSums, count_targets, logits_loss_sums, make_labels
+from lmpretrain.model.meta_init import ModelInit
 from lmpretrain.model.objective import Forward, LMObjective, Term, weighted_sum
 from lmpretrain.model.precision import MixedPrecision
 from lmpretrain.model.routing import ExpertLoad
@@ -18,6 +19,7 @@ __all__ = [
     "LMObjective",
     "LossSums",
     "MixedPrecision",
+    "ModelInit",
     "Term",
     "build_model",
     "build_model_config",

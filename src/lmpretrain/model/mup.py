@@ -25,6 +25,7 @@ At m = 1 nothing changes: the run is bit-identical to one without model.mup.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -173,8 +174,8 @@ def _scale_output(scale: float):
 
 def _final_norm(model: nn.Module) -> tuple[str, bool]:
     """The base model's last norm (llama's model.norm, GPT-2's transformer.ln_f), which the logits read, and
-    whether it computes (1 + weight) x (Gemma's), found by a probe: the norm run with its weight set to 2 and
-    to 1 (then given its own weight back)."""
+    whether it computes (1 + weight) x (Gemma's), found by a probe: a copy of the norm run with its weight set to 2
+    and to 1."""
     base_name = model.base_model_prefix
     base = getattr(model, base_name, None)
     norms = (
@@ -189,14 +190,18 @@ def _final_norm(model: nn.Module) -> tuple[str, bool]:
             ]
         )
     name, norm = norms[-1]
-    probe = torch.randn(2, norm.weight.shape[-1], dtype=norm.weight.dtype, device=norm.weight.device)
+    # On a host copy of the norm with a fixed probe: the model's own may be on the meta device (model/meta_init.py),
+    # and a probe drawn from the generator would shift the draws of what is built after it.
+    twin = copy.deepcopy(norm).to_empty(device="cpu")
+    width = norm.weight.shape[-1]
+    probe = torch.linspace(-2.0, 2.0, 2 * width, device="cpu").reshape(2, width).to(norm.weight.dtype)
     with torch.no_grad():
-        weight = norm.weight.detach().clone()
-        norm.weight.fill_(2.0)
-        doubled = norm(probe)
-        norm.weight.fill_(1.0)
-        single = norm(probe)
-        norm.weight.copy_(weight)
+        for p in twin.parameters():
+            p.zero_()
+        twin.weight.fill_(2.0)
+        doubled = twin(probe)
+        twin.weight.fill_(1.0)
+        single = twin(probe)
     one_plus = not torch.allclose(doubled, 2 * single, rtol=1e-3, atol=1e-6)
     return f"{base_name}.{name}", one_plus
 

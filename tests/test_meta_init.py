@@ -1,0 +1,108 @@
+"""Meta-device init (model/meta_init.py): a model built on meta and filled from the recorded init holds the
+weights a host build of the same seed holds, bit for bit, and leaves the generator where the host build does;
+on 2 FSDP2 gloo ranks through accelerate's own wrapping each rank fills only its shards; a build it cannot
+replay is built on the host, saying why."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+import recipe_runner as rr
+from lmpretrain.layout import Layout
+from lmpretrain.model import ModelInit, build_model, meta_init, mup
+
+SMALL = dict(hidden_size=60, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
+FSDP2 = Layout(kind="fsdp2", num_processes=2)
+
+
+class RunCfg:  # the two sections ModelInit.for_run reads
+    class model:
+        pretrained, ep_size = None, 1
+
+    class train:
+        fp8 = "none"
+
+
+def values(model) -> dict[str, torch.Tensor]:
+    return {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@pytest.mark.parametrize(
+    "kind,fields,dtype,base_width",
+    [
+        ("llama", dict(SMALL, vocab_size=301, pad_token_id=0, tie_word_embeddings=True), "float32", None),
+        ("llama", dict(SMALL, vocab_size=301, num_key_value_heads=2), "float64", 20),
+        (
+            "gpt2",
+            dict(n_embd=60, n_layer=2, n_head=4, vocab_size=301, bos_token_id=0, eos_token_id=0),
+            "float32",
+            None,
+        ),
+        ("gemma3_text", dict(SMALL, vocab_size=301), "float32", None),
+    ],
+)
+def test_a_meta_build_replayed_in_chunks_equals_the_host_build(monkeypatch, kind, fields, dtype, base_width):
+    """Chunks of 48 elements: the 301 x 60 embedding (18,060 elements, 12 past a multiple of 16) is drawn in
+    377 pieces, the last of 16 + 12, as CHUNK draws a large tensor."""
+    monkeypatch.setattr(meta_init, "CHUNK", 48)
+
+    def make():
+        model = build_model(AutoConfig.for_model(kind, **fields), dtype=dtype)
+        if base_width:
+            mup.apply(model, base_width)
+        return model, []
+
+    torch.manual_seed(3)
+    host = values(make()[0])
+    host_rng = torch.get_rng_state()
+    torch.manual_seed(3)
+    init = ModelInit.for_run(RunCfg, FSDP2)
+    model, _ = init.build(make)
+    assert init.on_meta and all(p.is_meta for p in model.parameters())
+    names = meta_init._tensors(model)
+    meta_init.to_empty_tied(model, "cpu")
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    held = init._replay({n: tensors[n] for n in set(names.values())}, names)
+    replayed = values(model)
+    assert replayed.keys() == host.keys()
+    assert [n for n in host if not torch.equal(replayed[n], host[n])] == []
+    assert torch.equal(torch.get_rng_state(), host_rng)  # what is drawn after the model draws the same
+    assert held == sum(p.numel() for p in model.parameters())
+    if fields.get("tie_word_embeddings"):
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def test_runs_that_hold_the_whole_model_or_rewrite_it_build_on_the_host():
+    assert ModelInit.for_run(RunCfg, Layout()).why_host == "one process"
+    assert ModelInit.for_run(RunCfg, Layout(kind="ddp", num_processes=2)).why_host == (
+        "ddp: every rank holds the whole model"
+    )
+
+    class Fp8(RunCfg):
+        class train:
+            fp8 = "tensorwise"
+
+    assert "train.fp8=tensorwise" in ModelInit.for_run(Fp8, FSDP2).why_host
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_fill_their_own_shards_with_the_host_builds_weights(tmp_path):
+    """tests/meta_init_worker.py on 2 gloo ranks: a tied Llama with a padding row, a μP Llama in float64, a
+    Qwen3-MoE, each sharded by accelerate's fsdp2_prepare_model and compared whole with a host build; and a
+    fork's parameter drawn by torch.randn, which is built on the host instead."""
+    out = tmp_path / "results.json"
+    rr.launch_ranks(rr.ROOT / "tests" / "meta_init_worker.py", str(out), timeout=300)
+    results = json.loads(out.read_text())
+    for name, r in results.items():
+        assert r["differ"] == [] and r["names"] and r["rng_after"], name
+        assert r["optimizer_holds_the_model"] and r["dtensors"], name
+    assert results["llama-tied-pad-float32"]["tied"]
+    assert results["llama-tied-pad-float32"]["line"].startswith(
+        "model init: on meta, this rank filled its own shards (50,784 of 101,504 parameters) in "
+    )
+    assert results["randn-parameter"]["line"].startswith(
+        "model init: on the host (its init cannot be replayed on shards: a tensor is drawn by "
+        "aten.randn.default when it is made)"
+    )

@@ -47,6 +47,8 @@ def test_fsdp2_runs_what_it_says(fsdp_run):
     assert "sharding=fsdp2 (accelerate's FSDP2 over gloo, switched on by the recipe on cpu)" in out
     assert "FSDP2: 6 fully_shard units (root, model.embed_tokens, model.layers.0, model.layers.1" in out
     assert "rank 0 holds 308,384 of 616,768 parameter values (DTensor shards)" in out
+    # built on meta: each rank filled only its shards (bit-identical to a host build: tests/test_meta_init.py)
+    assert "model init: on meta, this rank filled its own shards (308,384 of 616,768 parameters)" in out
     assert "checkpoints: format=sharded: torch.distributed.checkpoint" in out and "; sync;" in out
     assert "Setting accelerator to CPU" not in out  # DeepSpeed is not imported
 

@@ -27,6 +27,7 @@ any run that is not FSDP2 (one process and DDP ranks hold the whole model anyway
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import time
 from collections.abc import Callable
@@ -268,7 +269,7 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         return t.view(-1), 0
     local = t.to_local()
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    row = t[0].numel() if t.dim() else 1
+    row = math.prod(t.shape[1:])  # from the shape: indexing a DTensor would be a collective
     return local.view(-1), offset[0] * row if offset else 0
 
 

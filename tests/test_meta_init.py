@@ -106,3 +106,22 @@ def test_fsdp2_ranks_fill_their_own_shards_with_the_host_builds_weights(tmp_path
         "model init: on the host (its init cannot be replayed on shards: a tensor is drawn by "
         "aten.randn.default when it is made)"
     )
+
+
+def test_a_build_that_cannot_run_on_meta_is_built_on_the_host_once_more_from_the_same_seed():
+    calls = []
+
+    def make():  # reads a value back, as a fork's constructor might: meta tensors have none
+        calls.append(1)
+        model = build_model(AutoConfig.for_model("llama", **SMALL, vocab_size=301))
+        scale = model.model.norm.weight.sum().item()
+        return model, [f"norm weight sum {scale:g}"]
+
+    torch.manual_seed(3)
+    host = values(make()[0])
+    torch.manual_seed(3)
+    init = ModelInit.for_run(RunCfg, FSDP2)
+    model, lines = init.build(make)
+    assert init.why_host.startswith("its build does not run on the meta device (RuntimeError: ")
+    assert len(calls) == 3 and lines == ["norm weight sum 60"]  # the host build's own line, once
+    assert all(torch.equal(t, host[n]) for n, t in values(model).items())

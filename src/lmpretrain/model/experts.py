@@ -18,6 +18,8 @@ and their dtype, and reports what runs (or stops the run, naming the setting to 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -143,8 +145,13 @@ def describe_experts(model: nn.Module, precision: str = "no") -> str | None:
         return None
     asked = model.config._experts_implementation
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    probed = modules[0]
+    if any(p.is_meta for p in probed.parameters()):  # built on meta (model/meta_init.py): probe a host copy
+        probed = copy.deepcopy(probed).to_empty(device="cpu")
+        for p in probed.parameters():
+            p.detach().zero_()  # which kernel runs does not depend on the values; empty memory may hold NaNs
     try:
-        seen = probe(modules[0], autocast)
+        seen = probe(probed, autocast)
     except RuntimeError as err:
         raise ConfigError(
             [

@@ -41,9 +41,9 @@ aten = torch.ops.aten
 RANDOM = (aten.normal_.default, aten.uniform_.default)
 SETS = (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.copy_.default)  # define every element
 CHUNK = 1 << 22  # elements a rank draws at a time (16 MB of fp32); a multiple of 16, as normal_ needs
-SMALL_VIEW = (
-    1 << 20
-)  # an op on a view of a parameter is replayed through its element indices, up to this size
+# An op on a view of a tensor (an embedding's padding row) is replayed through the view's element indices
+# (8 bytes each), up to this many.
+SMALL_VIEW = 1 << 20
 
 
 class _Op:
@@ -182,16 +182,20 @@ class ModelInit:
         if self.on_meta:
             self.rng_state = torch.get_rng_state()
             recorder = _Recorder()
-            with _nested_inits_on_the_host(), torch.device("meta"), recorder:
-                model, lines = make()
-            problems = recorder.problems + self._replay_problems(model, recorder.ops)
-            if not torch.equal(torch.get_rng_state(), self.rng_state):
-                problems.append("random numbers were drawn on the host during the build")
-            if not problems:
+            try:
+                with _nested_inits_on_the_host(), torch.device("meta"), recorder:
+                    model, lines = make()
+                problems = recorder.problems + self._replay_problems(model, recorder.ops)
+                if not torch.equal(torch.get_rng_state(), self.rng_state):
+                    problems.append("random numbers were drawn on the host during the build")
+                why = f"its init cannot be replayed on shards: {problems[0]}" if problems else None
+            except Exception as err:  # noqa: BLE001 - the host build below raises it again if it is the config's
+                why = f"its build does not run on the meta device ({type(err).__name__}: {err})"
+            if why is None:
                 self.ops = recorder.ops
                 self.seconds = time.perf_counter() - start
                 return model, lines
-            self.why_host = f"its init cannot be replayed on shards: {problems[0]}"
+            self.why_host = why
             torch.set_rng_state(self.rng_state)
         built = make()
         self.seconds = time.perf_counter() - start

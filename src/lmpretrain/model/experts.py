@@ -18,13 +18,12 @@ and their dtype, and reports what runs (or stops the run, naming the setting to 
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmpretrain.errors import ConfigError
+from lmpretrain.model.meta_init import zeroed_host_copy
 
 # The matmul each implementation dispatches (aten or transformers' custom op), in the order a probe's
 # record is read: a grouped kernel first (its backward may add plain matmuls), a per-expert loop last.
@@ -146,10 +145,10 @@ def describe_experts(model: nn.Module, precision: str = "no") -> str | None:
     asked = model.config._experts_implementation
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     probed = modules[0]
-    if any(p.is_meta for p in probed.parameters()):  # built on meta (model/meta_init.py): probe a host copy
-        probed = copy.deepcopy(probed).to_empty(device="cpu")
-        for p in probed.parameters():
-            p.detach().zero_()  # which kernel runs does not depend on the values; empty memory may hold NaNs
+    if any(
+        p.is_meta for p in probed.parameters()
+    ):  # built on meta: which kernel runs does not need the values
+        probed = zeroed_host_copy(probed)
     try:
         seen = probe(probed, autocast)
     except RuntimeError as err:

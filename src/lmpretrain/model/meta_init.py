@@ -27,6 +27,7 @@ any run that is not FSDP2 (one process and DDP ranks hold the whole model anyway
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import resource
 import time
@@ -138,6 +139,16 @@ def to_empty_tied(model: nn.Module, device) -> None:
         else:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, first[key])
+
+
+def zeroed_host_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` on the CPU with every parameter zero, for a probe of what the module computes: the
+    model's own may be on the meta device, and a probe must not change its weights."""
+    copy_ = copy.deepcopy(module).to_empty(device="cpu")
+    with torch.no_grad():
+        for p in copy_.parameters():
+            p.zero_()
+    return copy_
 
 
 def host_peak_rss_gb() -> float:

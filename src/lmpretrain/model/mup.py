@@ -25,7 +25,6 @@ At m = 1 nothing changes: the run is bit-identical to one without model.mup.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from lmpretrain.errors import ConfigError
+from lmpretrain.model.meta_init import zeroed_host_copy
 
 ATTR = "_lmpretrain_mup"  # the model's μP record, read by the optimizer builder and the export
 LR_MULT = "lr_mult"  # an optimizer group's multiplier of the scheduled lr (update/schedule.py: set_lr)
@@ -192,12 +192,10 @@ def _final_norm(model: nn.Module) -> tuple[str, bool]:
     name, norm = norms[-1]
     # On a host copy of the norm with a fixed probe: the model's own may be on the meta device (model/meta_init.py),
     # and a probe drawn from the generator would shift the draws of what is built after it.
-    twin = copy.deepcopy(norm).to_empty(device="cpu")
+    twin = zeroed_host_copy(norm)
     width = norm.weight.shape[-1]
     probe = torch.linspace(-2.0, 2.0, 2 * width, device="cpu").reshape(2, width).to(norm.weight.dtype)
     with torch.no_grad():
-        for p in twin.parameters():
-            p.zero_()
         twin.weight.fill_(2.0)
         doubled = twin(probe)
         twin.weight.fill_(1.0)

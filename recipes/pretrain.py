@@ -191,7 +191,8 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         lines += objective.install(model)  # the loss runs inside the model's forward (FSDP2 needs it)
         return model, lines
 
-    init = ModelInit.for_run(cfg, info.layout)  # FSDP2: built on meta, each rank fills its own shards
+    # FSDP2: built on meta, each rank fills its own shards; DDP/DeepSpeed: rank 0 alone builds it on the host
+    init = ModelInit.for_run(cfg, info.layout, accelerator.process_index)
     model, lines = init.build(make_model)
     say(*lines)
     counts = parameter_counts(model)  # after install: a fork's auxiliary modules train too
@@ -204,7 +205,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
     # updates really applied), under every backend.
     say(
         *init.materialise(model, optimizer, accelerator)
-    )  # meta: sharded here, then this rank's shards filled
+    )  # FSDP2: sharded here, this rank's shards filled; DDP/DeepSpeed: rank 0's buffers taken
     say(*runtime.keep_buffers_loadable(model, accelerator))  # e.g. a DeepSeek-V3 router's bias under FSDP2
     model, optimizer = accelerator.prepare(model, optimizer)
     say(runtime.describe_wrapping(model, accelerator))

@@ -1,9 +1,10 @@
-"""Each rank's peak host memory and seconds from the start to the model's FSDP2 wrapping (no optimizer state
-exists yet): the model built on meta with each rank filling its own shards (model/meta_init.py), or with
-`--host` built whole on every rank and sharded by accelerate's rank-0 broadcast, as before.
+"""Each rank's peak host memory and seconds from the start to the model's wrapping (no optimizer state exists
+yet): under FSDP2 the model built on meta with each rank filling its own shards, under DDP built on the host by
+rank 0 alone and on meta by the others (model/meta_init.py); or with `--host` built whole on every rank, as
+before.
 
     accelerate launch --config_file configs/accelerate/cpu-fsdp.yaml --num_processes 2 \\
-        scripts/benchmark_init.py configs/llama-1b.yaml [--host]
+        scripts/benchmark_init.py configs/llama-1b.yaml [--host] [--section.field=value ...]
 
 Prints one line per rank and, on rank 0, the whole fp32 model's size for scale.
 """
@@ -27,7 +28,11 @@ def main() -> None:
     accelerator, info = runtime.setup_from_config(cfg)
     config = build_model_config(cfg.model)
     before = host_peak_rss_gb()  # the imports, the process group
-    init = ModelInit("--host: as before") if host else ModelInit.for_run(cfg, info.layout)
+    init = (
+        ModelInit("--host: as before")
+        if host
+        else ModelInit.for_run(cfg, info.layout, accelerator.process_index)
+    )
     model, _ = init.build(lambda: (build_model(config, None, cfg.train.param_dtype), []))
     params = parameter_counts(model)["params_total"]
     optimizer = torch.optim.AdamW(model.parameters())  # its state comes at the first step: none here
@@ -36,7 +41,7 @@ def main() -> None:
     accelerator.wait_for_everyone()
     print(
         f"rank {accelerator.process_index} of {accelerator.num_processes}: "
-        f"{'host' if host else 'meta' if init.on_meta else 'host (fallback)'} init, wrapped after "
+        f"wrapped after "
         f"{time.perf_counter() - START:.1f} s, peak host RSS {host_peak_rss_gb():.2f} GB "
         f"({before:.2f} GB before the build; {line.split(';')[0]})",
         flush=True,

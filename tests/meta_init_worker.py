@@ -1,7 +1,9 @@
 """One rank of tests/test_meta_init.py: models built on meta and filled shard by shard through accelerate's
-FSDP2 on gloo, each compared with a host build of the same seed in the same process.
+FSDP2 on gloo (`fsdp2`), or built on meta on every rank but 0 and given rank 0's weights by DDP's wrapping
+(`ddp`), each compared with a host build of the same seed in the same process.
 
-    python tests/meta_init_worker.py OUT_FILE  (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+    python tests/meta_init_worker.py OUT_FILE fsdp2|ddp  (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+    (each rank writes OUT_FILE.RANK)
 """
 
 import json
@@ -41,10 +43,12 @@ def whole(t):
 
 
 def main() -> None:
-    os.environ.update(
-        ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
-        FSDP_CPU_RAM_EFFICIENT_LOADING="true", FSDP_RESHARD_AFTER_FORWARD="true",
-    )  # fmt: skip
+    fsdp2 = sys.argv[2] == "fsdp2"
+    if fsdp2:
+        os.environ.update(
+            ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+            FSDP_CPU_RAM_EFFICIENT_LOADING="true", FSDP_RESHARD_AFTER_FORWARD="true",
+        )  # fmt: skip
     train = SimpleNamespace(grad_accum_steps=1, precision="no", fsdp_reduce_dtype="float32")
     accelerator = build_accelerator(train)
     layout = layout_of(accelerator)
@@ -52,23 +56,23 @@ def main() -> None:
         model=SimpleNamespace(pretrained=None, ep_size=1), train=SimpleNamespace(fp8="none")
     )
     results = {}
-    plugin = accelerator.state.fsdp_plugin
+    plugin = accelerator.state.fsdp_plugin if fsdp2 else None
     for name, case in CASES.items():
-        plugin.transformer_cls_names_to_wrap, plugin.auto_wrap_policy = (
-            None,
-            transformer_auto_wrap_policy,
-        )  # per model
+        if fsdp2:  # per model
+            plugin.transformer_cls_names_to_wrap, plugin.auto_wrap_policy = None, transformer_auto_wrap_policy
         set_seed(0)
         host, _ = make(*case)
         host_values = {n: t.clone() for n, t in [*host.named_parameters(), *host.named_buffers()]}
         host_rng = torch.get_rng_state()
         set_seed(0)
-        init = ModelInit.for_run(run_cfg, layout)
+        init = ModelInit.for_run(run_cfg, layout, accelerator.process_index)
         model, _ = init.build(lambda case=case: make(*case))
+        meta = any(p.is_meta for p in model.parameters())
         optimizer = torch.optim.AdamW(model.parameters())
         line = init.materialise(model, optimizer, accelerator)[0]
-        if not init.on_meta:  # built on the host: accelerate shards it as before
+        if not (fsdp2 and init.on_meta):  # FSDP2's meta init has sharded it already
             model, optimizer = accelerator.prepare(model, optimizer)
+            model = accelerator.unwrap_model(model)
         values = {n: whole(t).detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         results[name] = {
@@ -79,10 +83,10 @@ def main() -> None:
             "optimizer_holds_the_model": in_optimizer == {id(p) for p in model.parameters()},
             "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
             "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+            "built_on_meta": meta,
         }
-    if accelerator.is_main_process:
-        with open(sys.argv[1], "w") as f:
-            json.dump(results, f, indent=1)
+    with open(f"{sys.argv[1]}.{accelerator.process_index}", "w") as f:
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -76,9 +76,9 @@ def test_a_meta_build_replayed_in_chunks_equals_the_host_build(monkeypatch, kind
 
 def test_runs_that_hold_the_whole_model_or_rewrite_it_build_on_the_host():
     assert ModelInit.for_run(RunCfg, Layout()).why_host == "one process"
-    assert ModelInit.for_run(RunCfg, Layout(kind="ddp", num_processes=2)).why_host == (
-        "ddp: every rank holds the whole model"
-    )
+    ddp = Layout(kind="ddp", num_processes=2)
+    assert ModelInit.for_run(RunCfg, ddp).why_host == "ddp: rank 0 builds it, its wrapping broadcasts it"
+    assert ModelInit.for_run(RunCfg, ddp, rank=1).from_rank_zero
 
     class Fp8(RunCfg):
         class train:
@@ -93,8 +93,8 @@ def test_fsdp2_ranks_fill_their_own_shards_with_the_host_builds_weights(tmp_path
     Qwen3-MoE, each sharded by accelerate's fsdp2_prepare_model and compared whole with a host build; and a
     fork's parameter drawn by torch.randn, which is built on the host instead."""
     out = tmp_path / "results.json"
-    rr.launch_ranks(rr.ROOT / "tests" / "meta_init_worker.py", str(out), timeout=300)
-    results = json.loads(out.read_text())
+    rr.launch_ranks(rr.ROOT / "tests" / "meta_init_worker.py", str(out), "fsdp2", timeout=300)
+    results = json.loads((tmp_path / "results.json.0").read_text())
     for name, r in results.items():
         assert r["differ"] == [] and r["names"] and r["rng_after"], name
         assert r["optimizer_holds_the_model"] and r["dtensors"], name
@@ -106,6 +106,31 @@ def test_fsdp2_ranks_fill_their_own_shards_with_the_host_builds_weights(tmp_path
         "model init: on the host (its init cannot be replayed on shards: a tensor is drawn by "
         "aten.randn.default when it is made)"
     )
+
+
+@pytest.mark.slow
+def test_ddp_ranks_but_rank_zero_build_on_meta_and_are_given_rank_zeros_weights(tmp_path):
+    """tests/meta_init_worker.py on 2 DDP gloo ranks: rank 0 builds each model on the host, rank 1 on meta
+    (a fork's torch.randn parameter too: nothing is replayed), and after accelerate's wrapping both hold the
+    host build's parameters and buffers, tied where it ties, with the host build's generator state after."""
+    out = tmp_path / "results.json"
+    rr.launch_ranks(rr.ROOT / "tests" / "meta_init_worker.py", str(out), "ddp", timeout=300)
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"results.json.{rank}").read_text())
+        for name, r in results.items():
+            assert r["differ"] == [] and r["names"] and r["rng_after"], (rank, name)
+            assert r["optimizer_holds_the_model"] and r["built_on_meta"] == (rank == 1), (rank, name)
+        assert results["llama-tied-pad-float32"]["tied"]
+        line = results["randn-parameter"]["line"]
+        if rank == 0:
+            assert line.startswith(
+                "model init: on the host (ddp: rank 0 builds it, its wrapping broadcasts it; the other ranks "
+                "build on meta), "
+            ), line
+        else:
+            assert line.startswith(
+                "model init: on meta, rank 0's weights taken when wrapped; host peak RSS "
+            ), line
 
 
 def test_a_build_that_cannot_run_on_meta_is_built_on_the_host_once_more_from_the_same_seed():

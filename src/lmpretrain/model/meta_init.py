@@ -19,9 +19,14 @@ rescaling and the objective's modules. After accelerate's own FSDP2 wrapping (`f
   elements this rank holds.
 
 A build this cannot replay (a random op other than those two or on a view, a tensor whose value only a factory
-call set, a copy from a meta tensor) is built on the host as before, and the start-up line says why. So is
-any run that is not FSDP2 (one process and DDP ranks hold the whole model anyway), a pretrained model
-(accelerate's rank-0 loading), expert parallelism and FP8 (they rewrite the modules before sharding).
+call set, a copy from a meta tensor) is built on the host as before, and the start-up line says why. So is a
+pretrained model (accelerate's rank-0 loading), expert parallelism and FP8 (they rewrite the modules before
+sharding), and one process (it holds the whole model anyway).
+
+Under DDP and DeepSpeed ZeRO-1/2 every rank trains the whole model, whose initial weights their wrapping
+broadcasts from rank 0 (DDP's parameters and buffers, DeepSpeed's engine its parameters). So rank 0 alone builds
+it on the host; the others build it on meta, give it uninitialised memory on their device (no host copy, no CPU
+init), take rank 0's buffers and generator state here and its parameters from the wrapping.
 """
 
 from __future__ import annotations
@@ -160,24 +165,29 @@ class ModelInit:
     """How this run's model gets its initial weights: built on meta and replayed shard by shard (`meta`), or
     built on the host as `from_config` does (`host`, with the reason)."""
 
-    def __init__(self, why_host: str | None):
+    def __init__(self, why_host: str | None, replicated: bool = False, rank: int = 0):
         self.why_host = why_host
+        # DDP/DeepSpeed: the wrapping broadcasts rank 0's weights, which every other rank builds on meta
+        self.replicated = replicated
+        self.from_rank_zero = replicated and rank != 0
         self.ops: list[_Op] = []
         self.rng_state: torch.Tensor | None = None  # the generator at the build's start
         self.seconds = 0.0
 
     @classmethod
-    def for_run(cls, cfg, layout) -> ModelInit:
-        if layout.kind != "fsdp2":
-            why = (
-                "one process" if layout.kind == "none" else f"{layout.kind}: every rank holds the whole model"
-            )
-        elif cfg.model.pretrained:
-            why = "model.pretrained: accelerate's FSDP2 loading"
+    def for_run(cls, cfg, layout, rank: int = 0) -> ModelInit:
+        """`rank`: this process's (accelerator.process_index)."""
+        if cfg.model.pretrained:
+            why = f"model.pretrained: accelerate's {'FSDP2 ' if layout.kind == 'fsdp2' else ''}loading"
         elif cfg.model.ep_size > 1:
             why = f"model.ep_size={cfg.model.ep_size} rewrites the experts before sharding"
         elif cfg.train.fp8 != "none":
             why = f"train.fp8={cfg.train.fp8} rewrites the linear layers before sharding"
+        elif layout.kind == "none":
+            why = "one process"
+        elif layout.kind != "fsdp2":  # DDP, DeepSpeed: their wrapping broadcasts rank 0's weights
+            why = f"{layout.kind}: rank 0 builds it, its wrapping broadcasts it" if rank == 0 else None
+            return cls(why, replicated=True, rank=rank)
         else:
             why = None
         return cls(why)
@@ -190,6 +200,8 @@ class ModelInit:
         """`make()` (the model and its start-up lines) on meta, recorded; on the host when this run or the
         recording says so (then `make` runs again, from the same generator state)."""
         start = time.perf_counter()
+        if self.from_rank_zero:
+            return self._build_for_rank_zeros_weights(make, start)
         if self.on_meta:
             self.rng_state = torch.get_rng_state()
             recorder = _Recorder()
@@ -209,6 +221,19 @@ class ModelInit:
             self.why_host = why
             torch.set_rng_state(self.rng_state)
         built = make()
+        self.seconds = time.perf_counter() - start
+        return built
+
+    def _build_for_rank_zeros_weights(self, make, start: float):
+        """A rank other than 0 under DDP/DeepSpeed: its build on meta (the host build where it does not run
+        there), then rank 0's generator state, which rank 0's host build left (see `rank_zeros_generator`)."""
+        try:
+            with torch.device("meta"):
+                built = make()
+        except Exception as err:  # noqa: BLE001 - the host build below raises it again if it is the config's
+            self.why_host = f"its build does not run on the meta device ({type(err).__name__}: {err})"
+            self.from_rank_zero = False
+            built = make()
         self.seconds = time.perf_counter() - start
         return built
 
@@ -236,6 +261,8 @@ class ModelInit:
         rank's shards memory and replay the init into them; the optimizer is pointed at the sharded parameters
         (accelerate maps them by name from there). A host-built model is left to accelerate; returns the
         start-up line."""
+        if self.replicated:
+            return self._take_rank_zeros(model, optimizer, accelerator)
         if not self.on_meta:
             return [f"model init: on the host ({self.why_host}), {self.seconds:.1f} s"]
         if not torch.equal(torch.get_rng_state(), self.rng_state):
@@ -257,6 +284,38 @@ class ModelInit:
         return [
             f"model init: on meta, this rank filled its own shards ({held:,} of {total:,} parameters) in "
             f"{self.seconds + time.perf_counter() - start:.1f} s; host peak RSS {host_peak_rss_gb():.2f} GB"
+        ]
+
+    @torch.no_grad()
+    def _take_rank_zeros(self, model: nn.Module, optimizer, accelerator) -> list[str]:
+        """DDP/DeepSpeed, on every rank: a meta-built model gets memory on this rank's device (the optimizer
+        pointed at it), every rank takes rank 0's buffers (DeepSpeed's engine broadcasts parameters only) and
+        generator state (rank 0's build drew from it; what runs next must draw the same on every rank)."""
+        import torch.distributed as dist
+
+        if any(p.is_meta for p in model.parameters()):
+            names = _tensors(model)
+            groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+            to_empty_tied(model, accelerator.device)
+            by_name = dict(model.named_parameters(remove_duplicate=False))
+            for group, group_names in zip(optimizer.param_groups, groups, strict=True):
+                group["params"] = [by_name[n] for n in group_names]
+        for _, buffer in sorted(model.named_buffers(), key=lambda named: named[0]):  # one order on every rank
+            sent = buffer.to(accelerator.device)
+            dist.broadcast(sent, src=0)
+            if self.from_rank_zero:
+                buffer.copy_(sent)
+        state = [torch.get_rng_state()]
+        dist.broadcast_object_list(state, src=0)
+        torch.set_rng_state(state[0])
+        if self.from_rank_zero:
+            return [
+                f"model init: on meta, rank 0's weights taken when wrapped; built in {self.seconds:.1f} s, host peak "
+                f"RSS {host_peak_rss_gb():.2f} GB"
+            ]
+        return [
+            f"model init: on the host ({self.why_host}; the other ranks build on meta), {self.seconds:.1f} s; "
+            f"host peak RSS {host_peak_rss_gb():.2f} GB"
         ]
 
     @torch.no_grad()

@@ -6,6 +6,7 @@ launch nothing twice: test_fsdp.py (DDP, FSDP2), test_muon.py (DDP and FSDP2 + M
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import re
 from pathlib import Path
@@ -298,3 +299,47 @@ def test_the_largest_micro_batch_is_one_answer(overrides):
         assert (plan.step.total_peak <= budget) is fits, (micro, plan.step.total_peak, budget)
         if fits:
             assert plan.max_micro_batch == largest
+
+
+@pytest.mark.slow
+def test_where_nothing_fits_the_plan_names_the_changes_that_do_each_planned():
+    """A budget below one row without checkpointing but above one row with full checkpointing: the plan says
+    no micro-batch fits and lists the changes that do, cheapest (most tokens/s per GPU) first; planning each
+    change as a run would launch it gives the same peak and tokens/s, within the budget; the CUDA pre-flight's
+    refusal names the cheapest. The step line gives the whole run's tokens/s and says its MFU is of a step
+    that does not fit."""
+    cfg = _cfg("smoke.yaml", "--data.seq_len=256", "--model.overrides.max_position_embeddings=256")
+    cfg.train.micro_batch_size, cfg.train.grad_accum_steps = 2, 2
+    launch, gpu = Layout("fsdp2", 2, 1), load_gpu("h100")
+    model_config = build_model_config(cfg.model)
+
+    def one_row(mode):
+        train = dataclasses.replace(
+            cfg.train, micro_batch_size=1, grad_accum_steps=4, activation_checkpointing=mode
+        )
+        return simulate(dataclasses.replace(cfg, train=train), model_config, launch, 1, gpu=gpu).total_peak
+
+    bare, full = one_row("none"), one_row("full")
+    assert full < bare
+    fraction = (full + bare) / 2 / gpu.memory_bytes
+    plan = make_plan(cfg, launch, gpu, memory_fraction=fraction)
+    assert plan.max_micro_batch == 0 and not plan.fits and plan.fit_options
+    rates = [o.tokens_per_s_per_gpu for o in plan.fit_options]
+    assert rates == sorted(rates, reverse=True)
+    assert {o.activation_checkpointing for o in plan.fit_options} >= {"full"}
+    for option in plan.fit_options:
+        train = dataclasses.replace(
+            cfg.train,
+            activation_checkpointing=option.activation_checkpointing,
+            micro_batch_size=option.micro_batch,
+            grad_accum_steps=option.grad_accum,
+        )
+        again = make_plan(dataclasses.replace(cfg, train=train), option.launch, gpu, memory_fraction=fraction)
+        assert again.fits and again.step.total_peak == option.total_peak
+        assert again.tokens_per_s_per_gpu == pytest.approx(option.tokens_per_s_per_gpu)
+    text = format_plan(plan)
+    assert f"{plan.tokens_per_s:,.0f} for the whole run (2 GPUs)" in text
+    assert plan.tokens_per_s == pytest.approx(2 * plan.tokens_per_s_per_gpu)
+    assert "of a step that does not fit" in text and plan.fit_options[0].change in text
+    message = verdict(plan.to_json(), 0.0, cfg)
+    assert f"the cheapest planned way to fit is {plan.fit_options[0].change}" in message

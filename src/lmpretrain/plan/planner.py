@@ -12,6 +12,7 @@ from lmpretrain.gpus import GPU
 from lmpretrain.layout import Layout
 from lmpretrain.model.build import build_model_config, import_model_modules
 from lmpretrain.observe.flops import flops_per_token, table_dtype
+from lmpretrain.plan.fit import FitOption, fit_options
 from lmpretrain.plan.hardware import PlanError
 from lmpretrain.plan.roofline import OVERLAP, Timing, step_time
 from lmpretrain.plan.simulate import Step, simulate
@@ -34,6 +35,11 @@ class Plan:
     max_micro_batch: int
     split: tuple[int, int] | None  # (micro_batch_size, grad_accum_steps) keeping the global batch
     notes: list[str]
+    fit_options: list[FitOption]  # where no micro-batch fits: the changes that do, cheapest first
+
+    @property
+    def fits(self) -> bool:
+        return self.step.total_peak <= self.memory_fraction * self.gpu.memory_bytes
 
     @property
     def tokens_per_step_per_gpu(self) -> int:
@@ -43,6 +49,11 @@ class Plan:
     @property
     def tokens_per_s_per_gpu(self) -> float:
         return self.tokens_per_step_per_gpu / self.timing.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The whole run's: every GPU's tokens per second."""
+        return self.tokens_per_s_per_gpu * self.launch.num_processes
 
     @property
     def peak_dtype(self) -> str:
@@ -71,8 +82,11 @@ class Plan:
             "flops_per_step": dict(s.flops),
             "step_time_s": self.timing.step_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
+            "fits": self.fits,
             "max_micro_batch": self.max_micro_batch,
+            "fit_options": [o.to_json() for o in self.fit_options],
         }
 
 
@@ -211,6 +225,7 @@ def make_plan(cfg: Config, launch: Layout, gpu: GPU, memory_fraction: float = 0.
     max_micro = largest_micro_batch(
         peak_at, step, cfg.train.micro_batch_size, budget, search_limit=max(4 * rows, 1024)
     )
+    options = [] if max_micro else fit_options(cfg, model_config, launch, gpu, budget, peak_dtype(cfg))
     return Plan(
         cfg,
         launch,
@@ -222,6 +237,7 @@ def make_plan(cfg: Config, launch: Layout, gpu: GPU, memory_fraction: float = 0.
         max_micro,
         batch_split(rows, max_micro),
         notes,
+        options,
     )
 
 
@@ -275,8 +291,10 @@ def format_plan(plan: Plan) -> str:
         f"{t.compute_s * 1e3:.1f} ms, HBM {t.hbm_s * 1e3:.1f} ms, "
         f"collectives at {t.link}",
         f"  overlap: {OVERLAP}; exposed {t.exposed_comm_s * 1e3:.1f} ms",
-        f"  step {t.step_s:.3f} s, {plan.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {plan.mfu:.1%} "
-        f"(model FLOPs {plan.model_flops_per_token:.4g}/token as observe/flops.py counts them)",
+        f"  step {t.step_s:.3f} s, {plan.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {plan.tokens_per_s:,.0f} for "
+        f"the whole run ({launch.num_processes} GPUs), MFU {plan.mfu:.1%} "
+        f"(model FLOPs {plan.model_flops_per_token:.4g}/token as observe/flops.py counts them)"
+        + ("" if plan.fits else "; of a step that does not fit: no run makes it"),
         f"largest micro-batch within {plan.memory_fraction:g} of {gpu.memory_gib:g} GiB: {plan.max_micro_batch}",
     ]
     if plan.split:
@@ -286,7 +304,15 @@ def format_plan(plan: Plan) -> str:
         )
     else:
         lines.append(
-            "  no micro-batch fits: shard (configs/accelerate/fsdp.yaml), checkpoint activations or shorten seq_len"
+            "  no micro-batch fits; the changes that do, planned (cheapest first: most tokens/s per GPU):"
         )
+        for option in plan.fit_options:
+            lines.append(
+                f"    {option.change}: peak {_gb(option.total_peak).strip()}, {option.tokens_per_s_per_gpu:,.0f} "
+                f"tokens/s per GPU, {option.tokens_per_s:,.0f} for the whole run ({option.num_processes} GPUs)"
+            )
+        if not plan.fit_options:
+            lines.append("    none of: stronger activation checkpointing, more shards")
+        lines.append("    or a shorter data.seq_len (not planned: it changes what is trained)")
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -90,11 +90,25 @@ def verdict(plan: dict, memory_bytes: float, cfg) -> str | None:
     fix = (
         f"--train.micro_batch_size={split} --train.grad_accum_steps={rows // split} keeps the global batch"
         if split
-        else "no micro-batch fits: shard with FSDP2, set train.activation_checkpointing=true or shorten data.seq_len"
+        else no_fit_hint(plan)
     )
     return (
         f"the plan of this run peaks at {_size(peak)} per GPU, more than this GPU's {_size(memory_bytes)} "
         f"(python -m lmpretrain.plan shows where): {fix}; train.preflight_plan=false skips this check"
+    )
+
+
+def no_fit_hint(plan: dict) -> str:
+    """What a plan (its --json) in which no micro-batch fits says to change: its cheapest planned way to fit."""
+    options = plan.get("fit_options") or []
+    if not options:
+        return (
+            "no micro-batch fits, nor with full activation checkpointing or more shards: shorten data.seq_len"
+        )
+    best = options[0]
+    return (
+        f"no micro-batch fits; the cheapest planned way to fit is {best['change']} "
+        f"({best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU on {best['num_processes']} GPUs)"
     )
 
 
@@ -112,7 +126,7 @@ def check_plan_fits(cfg, info, accelerator, say, device: Device | None = None) -
 
     from lmpretrain.plan.planner import batch_split  # the simulator's imports only where a plan is made
 
-    result: list = [None, None, None]
+    result: list = [None, None, None, None]
     if accelerator.is_main_process:
         device = device or Device.current()
         try:
@@ -120,22 +134,20 @@ def check_plan_fits(cfg, info, accelerator, say, device: Device | None = None) -
                 plan = plan_here(cfg, info.layout, device, Path(folder))
             rows = cfg.global_batch(info.world_size) // info.world_size
             split = batch_split(rows, plan["max_micro_batch"])
-            result = [plan["per_rank_bytes"]["total_peak"], verdict(plan, device.memory_bytes, cfg), split]
+            peak, problem = plan["per_rank_bytes"]["total_peak"], verdict(plan, device.memory_bytes, cfg)
+            result = [peak, problem, split, no_fit_hint(plan)]
         except (
             PlanError,
             RuntimeError,
             OSError,
             ValueError,
         ) as err:  # a plan that cannot be made must not stop a run
-            result = [None, f"skipped ({err})", None]
+            result = [None, f"skipped ({err})", None, None]
     broadcast_object_list(result)
-    peak, problem, split = result
+    peak, problem, split, hint = result
     if cfg.train.micro_batch_size == "auto":
         if split is None:
-            raise PlanError(
-                f"train.micro_batch_size=auto: {problem or 'no micro-batch fits this GPU'}; shard with FSDP2, set "
-                "train.activation_checkpointing=true or shorten data.seq_len"
-            )
+            raise PlanError(f"train.micro_batch_size=auto: {problem or hint}")
         cfg.train.micro_batch_size, cfg.train.grad_accum_steps = split
         set_grad_accum(accelerator, split[1])
         say(

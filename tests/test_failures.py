@@ -3,6 +3,8 @@ accelerate launch's arguments): a diverging run skips its non-finite updates, ne
 non-finite weights and stops with exit 2; every user error ends on its one message, with no traceback.
 """
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -130,4 +132,7 @@ def test_a_missing_data_file_fails_on_two_processes_before_the_model_is_built(tm
     before = assert_ends_on(run, f"data file or glob {str(missing)!r} matches nothing")
     assert not any("parameters; optimizer groups" in line for line in before)  # no model was built
     assert not any("failed (exitcode" in line for line in before)  # torch elastic's line is held back
+    # and so is its "Sending process N closing signal SIGTERM" for the rank still running: no torch elastic
+    # log line (`W1207 12:56:46.368000 ...` / `E1204 ...`) at all above the message
+    assert not any(re.match(r"[EW]\d{4} \d\d:\d\d:\d\d", line) for line in before), before
     assert not (tmp_path / "run" / "checkpoints").exists()

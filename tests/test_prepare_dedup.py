@@ -103,6 +103,11 @@ def test_the_script_reports_what_it_removed_and_shows_no_datatrove_log_lines(
     assert "--transform dropped 2 documents" in out  # doc5 and its copy, before the dedup saw them
     assert "--dedup exact removed 11 of 40 documents" in out
     assert "| INFO" not in err and "Launching pipeline" not in err and "PIPELINE" not in err
+    # nor datatrove's own bars inside the dedup tasks (tqdm's default unit, it/s): only ours, by stage
+    assert "Initializing pq" not in err and "it/s]" not in err and "\x1b[A" not in err, err
+    lines = err.replace("\r", "\n").splitlines()
+    bars = {line.split(":")[1].strip() for line in lines if line.startswith("out: ")}
+    assert bars == {"dedup signatures", "dedup find", "tokenize"}, bars  # the filter: in front of the writer
     header = json.loads((tmp_path / "out" / HEADER).read_text())
     assert header["transforms"][0]["name"] == f"{filters}:no_doc5" and header["filtered"] == 2
     assert Encoder(small_tokenizer, None).add_bos == header["add_bos"]

@@ -355,3 +355,74 @@ def test_prepare_records_the_transforms_and_a_token_source_given_others_is_refus
             tmp_path / "x",
             transforms=load_transforms([DEDUP]),
         )
+
+
+def test_token_files_whose_transform_file_was_edited_are_refused_and_the_command_keeps_their_dedup(
+    corpus, small_tokenizer, tmp_path
+):
+    """The header records each transform's file sha256: an edit of that file since the prepare refuses the
+    run (the run would otherwise claim a filter the tokens never saw), and the prepare command it names
+    applies the dedup the header records too."""
+    from lmpretrain.data.prepare import write_token_files
+
+    path, _, _ = corpus
+    mine = tmp_path / "mine.py"
+    mine.write_text("def keep_long(text, source):\n    return text if len(text) >= 200 else None\n")
+    transform = f"{mine}:keep_long"
+    header = write_token_files(
+        SourceSpec(files=[str(path)]), small_tokenizer, tmp_path / "tok", transforms=load_transforms([transform]),
+        dedup="exact",
+    )  # fmt: skip
+    assert header["transforms"][0]["name"] == transform and header["dedup"]["method"] == "exact"
+    assert header["filtered"] == 4 and header["documents"] == 6  # the 4 short documents; no copies
+    ts = make([SourceSpec(files=[str(tmp_path / "tok")])], small_tokenizer, transforms=[transform])
+    ts.close()  # accepted as prepared
+    mine.write_text(mine.read_text() + "# edited\n")
+    with pytest.raises(DataError) as err:
+        make(
+            [SourceSpec(files=[str(tmp_path / "tok")])],
+            small_tokenizer,
+            transforms=[transform],
+            tokenizer="small",
+        )
+    assert str(err.value) == (
+        f"source files:{tmp_path / 'tok'} is token files, which data.transforms ({transform}) cannot change (they "
+        "hold tokens, not text), and the files defining them changed since the token files were prepared (sha256 "
+        "differs). Prepare them with the transforms, then train on that folder with the same data.transforms (or "
+        f"none): python scripts/prepare_data.py --files {path} --tokenizer small --transform {transform} --dedup "
+        f"exact --out {tmp_path / 'tok'}-transformed; or train on the text source (without `format: tokens`)"
+    )
+
+
+def test_the_prepare_command_for_token_files_of_a_builtin_names_the_builtin(
+    stdlib_cache, corpus, small_tokenizer, tmp_path
+):
+    from lmpretrain.data.prepare import write_token_files
+
+    header = write_token_files(
+        SourceSpec(name="python-stdlib", split="validation"), small_tokenizer, tmp_path / "v"
+    )
+    assert header["source"] == "python-stdlib:validation" and header["transforms"] == []
+    with pytest.raises(DataError, match="they were prepared without them") as err:
+        make([SourceSpec(files=[str(tmp_path / "v")])], small_tokenizer, transforms=[DEDUP, "filters:longest_only"],
+             tokenizer="small")  # fmt: skip
+    assert (
+        "python scripts/prepare_data.py --builtin python-stdlib --split validation --tokenizer small --transform "
+        "filters:longest_only --out data/python-stdlib-validation-transformed (the stateful "
+        f"{DEDUP} cannot run there: deduplicate with --dedup exact or --dedup minhash)" in str(err.value)
+    )
+
+
+def test_docs_forking_shows_the_tested_dedup_class_as_it_is():
+    """docs/forking.md's stateful dedup is examples/data_transforms.py:ExactDedup (the class the kill -9
+    resume test runs), its docstring left out."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "examples" / "data_transforms.py").read_text()
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "ExactDedup")
+    lines, docstring = source.splitlines(), cls.body[0]
+    shown = lines[cls.lineno - 1 : docstring.lineno - 1] + lines[docstring.end_lineno + 1 : cls.end_lineno]
+    blocks = re.findall(r"```python\n(.*?)```", (root / "docs" / "forking.md").read_text(), flags=re.S)
+    assert "\n".join(shown) + "\n" in blocks, "docs/forking.md: not examples/data_transforms.py:ExactDedup"

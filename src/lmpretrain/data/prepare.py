@@ -551,17 +551,32 @@ def run_prepare(
     return json.loads((prep.out / HEADER).read_text())
 
 
+# datatrove's dedup steps that draw tqdm bars of their own inside a task ("Initializing pq...", "Reading dup
+# files", and unnamed ones), nested under ours with cursor-up codes
+_DATATROVE_BARS = ("datatrove.pipeline.dedup.exact_dedup", "datatrove.pipeline.dedup.minhash")
+
+
 @contextmanager
 def _quiet_datatrove():
     """datatrove logs each task's start, pipeline and stats at INFO to the terminal (~40 lines for the
-    quickstart's corpus): off while the stages run here (its task logs in the work folder stay)."""
+    quickstart's corpus): off while the stages run here (its task logs in the work folder stay). Its dedup
+    steps' own short bars are off too (tqdm reads TQDM_DISABLE only at import, so their module's `tqdm` is
+    one with disable=True for the while; the local executor forks its tasks from here)."""
+    import sys
+
     from loguru import logger
+    from tqdm import tqdm
 
     logger.disable("datatrove")
+    patched = [m for name in _DATATROVE_BARS if getattr(m := sys.modules.get(name), "tqdm", None) is tqdm]
+    for module in patched:
+        module.tqdm = functools.partial(tqdm, disable=True)
     try:
         yield
     finally:
         logger.enable("datatrove")
+        for module in patched:
+            module.tqdm = tqdm
 
 
 @contextmanager

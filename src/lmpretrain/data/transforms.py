@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmpretrain.data.corpus import BUILTIN_DATASETS
 from lmpretrain.data.readers import Bad, Unit
 from lmpretrain.errors import ConfigError, DataError
 
@@ -286,11 +287,13 @@ def check_token_sources(sources, transforms: Transforms, tokenizer: str) -> None
 def _prepare_command(source, transforms: Transforms, tokenizer: str) -> str:
     """scripts/prepare_data.py's command line that writes `source`'s tokens through `transforms`."""
     spec = source.spec
-    label = spec.label if spec.name else source.token_files.layouts[0].header.get("source", "")
+    header = source.token_files.layouts[0].header
+    label = spec.label if spec.name else header.get("source", "")
     kind, _, rest = label.partition(":")
-    if spec.name:
-        text = f"--builtin {spec.name} --split {spec.split}"
-        out = f"data/{spec.name}-{spec.split}-transformed"
+    if spec.name or kind in BUILTIN_DATASETS:  # a builtin, or token files a prepare made of one
+        name, split = (spec.name, spec.split) if spec.name else (kind, rest)
+        text = f"--builtin {name} --split {split}"
+        out = f"data/{name}-{split}-transformed"
     elif kind == "files":
         text = " ".join(f"--files {f}" for f in rest.split(","))
         out = str(Path(spec.files[0])).rstrip("/") + "-transformed"
@@ -304,7 +307,10 @@ def _prepare_command(source, transforms: Transforms, tokenizer: str) -> str:
         text, out = "--files <the text they were made from>", "data/transformed"
     pure = [t.name for t in transforms.transforms if not t.stateful]
     command = f"{PREPARE_COMMAND} {text} --tokenizer {tokenizer}"
-    command += "".join(f" --transform {name}" for name in pure) + f" --out {out}"
+    command += "".join(f" --transform {name}" for name in pure)
+    if dedup := (header.get("dedup") or {}).get("method"):  # these token files were deduplicated: so again
+        command += f" --dedup {dedup}"
+    command += f" --out {out}"
     if transforms.stateful:  # prepare_data applies pure functions only
         command += (
             f" (the stateful {', '.join(transforms.stateful)} cannot run there: deduplicate with --dedup exact or "

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lmpretrain.config import derive_accumulation
 from lmpretrain.errors import LaunchError, UserError
-from lmpretrain.launch import report_user_error
+from lmpretrain.launch import report_lost_peer, report_user_error
 from lmpretrain.layout import Layout
 from lmpretrain.run.preemption import watch_launcher
 from lmpretrain.run.process_group import process_group_kwargs, restart_count
@@ -459,11 +459,17 @@ def announcer(accelerator):
 
 def exit_after(run: Callable[[], object]) -> NoReturn:
     """Call `run`, then exit the process: 0, or for a UserError (a problem to fix, not a bug) its one
-    message and exit code 2, no traceback (see exit_process: a clean exit that gloo's threads cannot abort)."""
+    message and exit code 2, no traceback (see exit_process: a clean exit that gloo's threads cannot abort). A
+    rank whose collective failed because another rank went away (on a user error, say) hands its traceback to
+    torch elastic's error file rather than the screen (launch.report_lost_peer), so the message stays alone."""
     try:
         run()
     except UserError as err:
         exit_process(report_user_error(err))
+    except Exception as err:
+        if (code := report_lost_peer(err)) is not None:
+            exit_process(code)
+        raise
     exit_process(0)
 
 

@@ -10,8 +10,10 @@ import torch
 from transformers import AutoConfig
 
 import recipe_runner as rr
+from lmpretrain.config import load_config
+from lmpretrain.errors import ConfigError
 from lmpretrain.layout import Layout
-from lmpretrain.model import ModelInit, build_model, meta_init, mup
+from lmpretrain.model import LMObjective, ModelInit, build_model, meta_init, mup
 
 SMALL = dict(hidden_size=60, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
 FSDP2 = Layout(kind="fsdp2", num_processes=2)
@@ -23,6 +25,12 @@ class RunCfg:  # the two sections ModelInit.for_run reads
 
     class train:
         fp8 = "none"
+
+
+def chunked_objective() -> LMObjective:
+    return LMObjective.from_config(
+        load_config([str(rr.ROOT / "configs" / "smoke.yaml"), "--train.loss_impl=chunked"]), 1
+    )
 
 
 def values(model) -> dict[str, torch.Tensor]:
@@ -45,22 +53,26 @@ def values(model) -> dict[str, torch.Tensor]:
 )
 def test_a_meta_build_replayed_in_chunks_equals_the_host_build(monkeypatch, kind, fields, dtype, base_width):
     """Chunks of 48 elements: the 301 x 60 embedding (18,060 elements, 12 past a multiple of 16) is drawn in
-    377 pieces, the last of 16 + 12, as CHUNK draws a large tensor."""
+    377 pieces, the last of 16 + 12, as CHUNK draws a large tensor. The chunked loss's start-up check runs on
+    a host twin of the meta model, drawing nothing from the generator the replay repeats."""
     monkeypatch.setattr(meta_init, "CHUNK", 48)
+    objective = chunked_objective()
 
     def make():
         model = build_model(AutoConfig.for_model(kind, **fields), dtype=dtype)
         if base_width:
             mup.apply(model, base_width)
-        return model, []
+        return model, objective.install(model)
 
     torch.manual_seed(3)
     host = values(make()[0])
     host_rng = torch.get_rng_state()
     torch.manual_seed(3)
     init = ModelInit.for_run(RunCfg, FSDP2)
-    model, _ = init.build(make)
+    model, lines = init.build(make)
     assert init.on_meta and all(p.is_meta for p in model.parameters())
+    assert f"chunked loss: logits = output embedding(final hidden states) for {kind}, checked" in lines
+    assert lines[-1].startswith("objective checks run on a host twin of the model built on meta")
     names = meta_init._tensors(model)
     meta_init.to_empty_tied(model, "cpu")
     tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
@@ -72,6 +84,25 @@ def test_a_meta_build_replayed_in_chunks_equals_the_host_build(monkeypatch, kind
     assert held == sum(p.numel() for p in model.parameters())
     if fields.get("tie_word_embeddings"):
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def test_a_model_built_on_meta_is_refused_what_its_host_build_is_refused():
+    """Gemma 2's soft-capped logits with the chunked loss: refused by the check on the meta build's host twin,
+    with the host build's message, and not built again on the host first."""
+    objective, builds = chunked_objective(), []
+
+    def make():
+        builds.append(1)
+        model = build_model(
+            AutoConfig.for_model("gemma2", **SMALL, vocab_size=301, final_logit_softcapping=30.0)
+        )
+        return model, objective.install(model)
+
+    with pytest.raises(
+        ConfigError, match="a gemma2 model post-processes its logits after the output embedding"
+    ):
+        ModelInit.for_run(RunCfg, FSDP2).build(make)
+    assert builds == [1]
 
 
 def test_runs_that_hold_the_whole_model_or_rewrite_it_build_on_the_host():

@@ -43,6 +43,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PreTrainedModel
 
+from lmpretrain.errors import UserError
+
 aten = torch.ops.aten
 RANDOM = (aten.normal_.default, aten.uniform_.default)
 SETS = (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.copy_.default)  # define every element
@@ -212,6 +214,10 @@ class ModelInit:
                 if not torch.equal(torch.get_rng_state(), self.rng_state):
                     problems.append("random numbers were drawn on the host during the build")
                 why = f"its init cannot be replayed on shards: {problems[0]}" if problems else None
+            except (
+                UserError
+            ):  # the config's problem, found on meta as on the host: no host build to find it again
+                raise
             except Exception as err:  # noqa: BLE001 - the host build below raises it again if it is the config's
                 why = f"its build does not run on the meta device ({type(err).__name__}: {err})"
             if why is None:
@@ -230,6 +236,8 @@ class ModelInit:
         try:
             with torch.device("meta"):
                 built = make()
+        except UserError:
+            raise
         except Exception as err:  # noqa: BLE001 - the host build below raises it again if it is the config's
             self.why_host = f"its build does not run on the meta device ({type(err).__name__}: {err})"
             self.from_rank_zero = False

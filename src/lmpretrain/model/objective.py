@@ -323,9 +323,12 @@ def check_objective(model, objective: LMObjective, tolerance: float = 1e-4) -> l
     """Refuse (ConfigError) what this model cannot do with `objective`, shown on a few tokens before any
     training: chunked/liger losses on models that post-process their logits (soft-capping, scaling),
     and document masking on models or kernels that let attention cross documents. Returns log lines."""
+    if objective.loss_impl == "full" and not objective.document_masking:
+        return []
     params = list(model.parameters())
-    if any(p.is_meta for p in params):  # weights not loaded on this rank (FSDP's rank-0 loading)
-        return ["objective checks skipped on this rank: its weights are not materialised yet"]
+    if any(p.is_meta for p in params):  # built on meta (meta init, FSDP's rank-0 loading): no values yet
+        with torch.device("cpu"):  # inside the meta build's device context
+            return [*check_objective(_host_twin(model, objective), objective, tolerance), _TWIN]
     device, vocab = params[0].device, model.config.vocab_size
     kind = model.config.model_type
     lines = []
@@ -342,6 +345,31 @@ def check_objective(model, objective: LMObjective, tolerance: float = 1e-4) -> l
     finally:
         model.train(was_training)
     return lines
+
+
+_TWIN = (
+    "objective checks run on a host twin of the model built on meta (one decoder layer of each layer type)"
+)
+
+
+def _host_twin(model, objective: LMObjective):
+    """The model's class and config on the CPU with one decoder layer of each layer type, from a fixed seed
+    that leaves the global generator as it was (a meta build replays its draws): what the checks look at is
+    the model's kind, kernels and post-processing, not its size or weights."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        first = sorted({t: i for i, t in reversed(list(enumerate(layer_types)))}.values())
+        config.layer_types = [layer_types[i] for i in first]
+    config.num_hidden_layers = len(config.layer_types) if layer_types else 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        twin = type(model)._from_config(config).to(model.dtype)
+    install_loss_forward(twin)
+    install_router_outputs(twin, objective)
+    return twin
 
 
 def _check_logits_from_hidden(model, objective, kind, vocab, device) -> str:

@@ -49,7 +49,9 @@ def main() -> None:
             ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
             FSDP_CPU_RAM_EFFICIENT_LOADING="true", FSDP_RESHARD_AFTER_FORWARD="true",
         )  # fmt: skip
-    train = SimpleNamespace(grad_accum_steps=1, precision="no", fsdp_reduce_dtype="float32")
+    train = SimpleNamespace(
+        grad_accum_steps=1, precision="no", fsdp_reduce_dtype="float32", sync_each_micro_batch=False
+    )
     accelerator = build_accelerator(train)
     layout = layout_of(accelerator)
     run_cfg = SimpleNamespace(

@@ -59,7 +59,10 @@ def test_two_ranks_equal_one_rank_with_twice_the_micro_batch(tmp_path, two_ranks
         launch="cpu",
     )
     assert "world_size=2 distributed_type=MULTI_CPU backend=gloo" in two.output
-    assert "model init: on the host (ddp: rank 0 builds it, its wrapping broadcasts it; the other ranks build on meta)" in two.output
+    assert (
+        "model init: on the host (ddp: rank 0 builds it, its wrapping broadcasts it; the other ranks build on meta)"
+        in two.output
+    )
     assert "world_size=1 distributed_type=NO" in one.output
     assert "DDP: every rank holds all 616,768 parameter values" in two.output
     # DeepSpeed is imported only by DeepSpeed launches (test_deepspeed sees its banner there).

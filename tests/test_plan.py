@@ -333,6 +333,7 @@ def test_where_nothing_fits_the_plan_names_the_changes_that_do_each_planned():
             activation_checkpointing=option.activation_checkpointing,
             micro_batch_size=option.micro_batch,
             grad_accum_steps=option.grad_accum,
+            sync_each_micro_batch=option.sync_each_micro_batch,
         )
         again = make_plan(dataclasses.replace(cfg, train=train), option.launch, gpu, memory_fraction=fraction)
         assert again.fits and again.step.total_peak == option.total_peak

@@ -107,6 +107,13 @@ class RunConfig:
 class MupConfig:
     base_width: int
     """The hidden size the hyper-parameters were tuned at; the model's own width is its hidden_size."""
+    depth: Literal["completep", "sqrt"] | None = None
+    """Residual-branch scaling by depth (docs/mup.md): each decoder layer's attention and MLP outputs are
+    multiplied by (base_depth / L)^alpha before they join the residual stream, and the decoder layers'
+    parameters are trained at lr x (base_depth / L)^(1 - alpha); completep: alpha = 1 (Dey et al. 2025),
+    sqrt: alpha = 1/2 (Yang et al., "Tensor Programs VI"). L is the model's num_hidden_layers. null: off."""
+    base_depth: int | None = None
+    """The number of decoder layers the hyper-parameters were tuned at (with `depth`)."""
 
 
 @dataclass
@@ -217,6 +224,11 @@ class TrainConfig:
     global_batch_size: int | None = None
     """Blocks per optimizer step over all processes; set, grad_accum_steps = global_batch_size /
     (micro_batch_size x world size), which must divide it; null = micro x accum x world size."""
+    sync_each_micro_batch: bool = False
+    """FSDP2 with grad_accum_steps > 1: reduce-scatter every micro-batch's gradients into the shards (accelerate's
+    GradientAccumulationPlugin sync_each_batch) instead of keeping the whole model's unsharded gradients until
+    the last one: that much less memory per rank (an 8B model's float32 gradients are 32 GB), the reduce-scatter
+    traffic times the accumulation."""
     precision: Literal["no", "bf16", "fp16"] = "no"
     """no | bf16 | fp16 (fp16 uses dynamic loss scaling)."""
     loss_scale_init: float = 65536.0
@@ -816,6 +828,24 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         if cfg.model.mup.base_width < 1:
             p.append(
                 f"model.mup.base_width={cfg.model.mup.base_width} must be >= 1 (the width the lr was tuned at)"
+            )
+        depth, base_depth = cfg.model.mup.depth, cfg.model.mup.base_depth
+        if depth and base_depth is None:
+            p.append(
+                f"model.mup.depth={depth} needs model.mup.base_depth (the number of layers the lr was tuned at)"
+            )
+        if base_depth is not None and base_depth < 1:
+            p.append(
+                f"model.mup.base_depth={base_depth} must be >= 1 (the number of layers the lr was tuned at)"
+            )
+        elif base_depth is not None and not depth:
+            p.append(
+                f"model.mup.base_depth={base_depth} does nothing without model.mup.depth (completep or sqrt)"
+            )
+        if depth and t.fp8 != "none":
+            p.append(
+                f"model.mup.depth scales the o_proj/down_proj outputs by forward hooks, which train.fp8={t.fp8} would "
+                "drop when it swaps those layers for torchao's Float8Linear: set train.fp8=none or model.mup.depth=null"
             )
         if cfg.model.pretrained:
             p.append(

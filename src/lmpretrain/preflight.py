@@ -79,8 +79,17 @@ def backend_problems(cfg: Config, layout: Layout) -> list[str]:
         )
         if deepspeed and on
     ]
+    sync_each = (
+        [
+            f"train.sync_each_micro_batch=true saves memory under FSDP2 only (under {layout.kind} every rank holds "
+            "whole gradients anyway; it would only reduce them more often): remove it"
+        ]
+        if cfg.train.sync_each_micro_batch and layout.kind != "fsdp2"
+        else []
+    )
     return (
         engine
+        + sync_each
         + guard_problems(cfg.train, engine_steps=deepspeed)
         + checkpoint_problems(cfg.checkpoint.format, cfg.checkpoint.async_save, deepspeed=deepspeed)
         + muon_problems(cfg.optim, layout)

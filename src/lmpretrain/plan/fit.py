@@ -5,8 +5,10 @@ are the ones that keep the model and the global batch: recompute more activation
 `selective`, then `full`) and shard the weights over more GPUs (DDP or DeepSpeed: FSDP2 on the same GPUs; FSDP2:
 twice the GPUs; HSDP: twice the shards per replica group). Each is simulated like the plan itself at the largest
 micro-batch that fits it and divides the rows per rank, and timed on the same roofline; the cheapest is the one
-with the most tokens/s per GPU (more GPUs cost GPUs: per GPU is the price of a token). A shorter sequence changes
-what is trained and is named, not planned.
+with the most tokens/s per GPU (more GPUs cost GPUs: per GPU is the price of a token). Under FSDP2, where one row per
+micro-batch fits only without the whole model's unsharded gradients that accumulation keeps between
+micro-batches, each is planned with train.sync_each_micro_batch (the gradients reduce-scattered every
+micro-batch), and so is the run itself. A shorter sequence changes what is trained and is named, not planned.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ _TRIES = 3  # micro-batches simulated below the line's guess before settling on 
 class FitOption:
     change: str  # the overrides / launch flags that make it
     activation_checkpointing: str
+    sync_each_micro_batch: bool
     launch: Layout
     micro_batch: int
     grad_accum: int
@@ -48,6 +51,7 @@ class FitOption:
             "sharding": self.launch.describe(),
             "num_processes": self.num_processes,
             "micro_batch_size": self.micro_batch,
+            "sync_each_micro_batch": self.sync_each_micro_batch,
             "grad_accum_steps": self.grad_accum,
             "total_peak": self.total_peak,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
@@ -85,26 +89,35 @@ def _more_shards(launch: Layout, gpus_per_node: int) -> tuple[Layout, str] | Non
 
 
 def _fitting(cfg, model_config, launch: Layout, gpu, rows: int, budget: float):
-    """(micro, accum, step) at the largest micro-batch that fits `budget` and divides `rows`, or None."""
+    """(micro, accum, step, sync_each) at the largest micro-batch that fits `budget` and divides `rows`, or
+    None; under FSDP2, where one row per micro-batch fits only without the unsharded gradients accumulation
+    keeps, with train.sync_each_micro_batch (sync_each True)."""
 
-    def at(
-        micro: int,
-    ):  # the step of `rows` rows per rank in micro-batches of `micro` (accumulation as in a run)
-        train = dataclasses.replace(cfg.train, micro_batch_size=micro, grad_accum_steps=max(1, rows // micro))
+    def at(micro: int, sync_each: bool):  # `rows` rows per rank in micro-batches of `micro`, as a run does
+        train = dataclasses.replace(
+            cfg.train,
+            micro_batch_size=micro,
+            grad_accum_steps=max(1, rows // micro),
+            sync_each_micro_batch=sync_each,
+        )
         return simulate(dataclasses.replace(cfg, train=train), model_config, launch, micro, gpu=gpu)
 
-    one = at(1)
+    sync_each = cfg.train.sync_each_micro_batch
+    one = at(1, sync_each)
+    if one.total_peak > budget and rows > 1 and launch.kind == "fsdp2" and not sync_each:
+        sync_each = True
+        one = at(1, sync_each)
     if one.total_peak > budget:
         return None
     if rows == 1:
-        return 1, 1, one
-    per_row = at(2).total_peak - one.total_peak
+        return 1, 1, one, False
+    per_row = at(2, sync_each).total_peak - one.total_peak
     guess = rows if per_row <= 0 else min(rows, 1 + int((budget - one.total_peak) // per_row))
     for micro in [m for m in range(guess, 1, -1) if rows % m == 0][:_TRIES]:
-        step = at(micro)
+        step = at(micro, sync_each)
         if step.total_peak <= budget:
-            return micro, rows // micro, step
-    return 1, rows, one
+            return micro, rows // micro, step, sync_each and micro < rows
+    return 1, rows, one, sync_each
 
 
 def fit_options(cfg, model_config, launch: Layout, gpu, budget: float, dtype: str) -> list[FitOption]:
@@ -119,6 +132,8 @@ def fit_options(cfg, model_config, launch: Layout, gpu, budget: float, dtype: st
         )
         for mode in _STRONGER[cfg.train.activation_checkpointing]
     ]
+    if launch.kind == "fsdp2" and rows > 1 and not cfg.train.sync_each_micro_batch:
+        tried.insert(0, (cfg, launch, rows, ""))  # the same run, its gradients reduced every micro-batch
     sharded = _more_shards(launch, gpu.gpus_per_node)
     if sharded:
         wider, flags = sharded
@@ -139,10 +154,16 @@ def fit_options(cfg, model_config, launch: Layout, gpu, budget: float, dtype: st
         found = _fitting(option_cfg, model_config, option_launch, gpu, option_rows, budget)
         if found is None:
             continue
-        micro, accum, step = found
+        micro, accum, step, sync_each = found
+        if not (change or sync_each):
+            continue  # the run as planned, which does not fit
         timing = step_time(step, gpu, option_launch, accum, dtype)
         tokens = micro * accum * cfg.data.seq_len / timing.step_s
-        flags = f"{change} --train.micro_batch_size={micro} --train.grad_accum_steps={accum}"
+        flags = f"{change} --train.micro_batch_size={micro} --train.grad_accum_steps={accum}".strip()
+        if sync_each:
+            flags += " --train.sync_each_micro_batch=true"
         mode = option_cfg.train.activation_checkpointing
-        options.append(FitOption(flags, mode, option_launch, micro, accum, step.total_peak, tokens))
+        options.append(
+            FitOption(flags, mode, sync_each, option_launch, micro, accum, step.total_peak, tokens)
+        )
     return sorted(options, key=lambda o: -o.tokens_per_s_per_gpu)

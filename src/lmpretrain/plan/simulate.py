@@ -6,8 +6,8 @@ data) and a fake process group of `world` ranks (collectives that move nothing, 
 of 1,024). It is wrapped as the launch says: FSDP2 by accelerate's own `fsdp2_prepare_model` (the same
 units and MixedPrecisionPolicy the recipe gets); DDP and DeepSpeed ZeRO-1/2 run unwrapped, their buckets,
 partitions and all-reduce added as arithmetic (`wrap_arithmetic`). Then every kind of micro-batch the step
-has runs forward and backward (the first K-1 without gradient sync, the last with it: the others repeat the
-first), then clipping and the optimizer step, under torch's MemTracker / FSDPMemTracker (memory by
+has runs forward and backward (the first K-1 without gradient sync unless train.sync_each_micro_batch, the
+last with it: the others repeat the first), then clipping and the optimizer step, under torch's MemTracker / FSDPMemTracker (memory by
 category), FlopCounterMode and CollectiveBytes (collectives/bytes). With `fake=False` the same step runs on
 real tensors, which is what the tests compare against.
 """
@@ -315,7 +315,9 @@ def _simulate(cfg, model_config, launch: Layout, micro_batch: int, *, fake: bool
             tracker = MemTracker()
             tracker.track_external(model, optimizer, ids)
         accum = cfg.train.grad_accum_steps
-        kinds = [False, True] if accum > 1 else [True]  # (sync?) the first K-1 repeat the first
+        # (sync?, repeats): the first accum - 1 micro-batches repeat the first; they reduce-scatter their
+        # gradients too with train.sync_each_micro_batch (FSDP2), else they keep them unsharded
+        kinds = [(cfg.train.sync_each_micro_batch, accum - 1), (True, 1)] if accum > 1 else [(True, 1)]
         flops = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         comm = {kind: 0.0 for kind in KINDS}
         muon_comm: dict[str, float] = {}
@@ -336,17 +338,16 @@ def _simulate(cfg, model_config, launch: Layout, micro_batch: int, *, fake: bool
         # the micro-batches' collectives are counted on an untracked pass of the same micro-batches first.
         untracked = None
         if launch.kind == "fsdp2":
-            untracked = [micro_batch(sync)[0] for sync in kinds]
+            untracked = [micro_batch(sync)[0] for sync, _ in kinds]
             model.zero_grad(set_to_none=True)
         tracked = []
         with tracker:
-            for sync in kinds:
+            for sync, _ in kinds:
                 if not isinstance(tracker, FSDPMemTracker):  # its module stats are per call; the peak stays
                     tracker.reset_mod_stats()
                 tracked.append(micro_batch(sync))
         received = untracked or [bytes_ for bytes_, _, _ in tracked]
-        for sync, (_, forward, backward), counts in zip(kinds, tracked, received, strict=True):
-            repeats = 1 if sync else accum - 1
+        for (_, repeats), (_, forward, backward), counts in zip(kinds, tracked, received, strict=True):
             flops["forward"] += repeats * forward
             flops["backward"] += repeats * backward
             for kind, value in counts.items():

@@ -119,7 +119,7 @@ def build_accelerator(train, log_with=None, timeout_s: float = 1800) -> Accelera
             cpu=not has_accelerator(),
             log_with=log_with,
             mixed_precision="no",
-            gradient_accumulation_steps=accum,
+            gradient_accumulation_plugin=_accumulation(train, accum),
             fsdp_plugin=_fsdp_plugin(train) if fsdp else None,
             kwargs_handlers=[process_group_kwargs(timeout_s)],
         )
@@ -177,7 +177,7 @@ def _cpu_fsdp2_accelerator(train, log_with, timeout_s) -> Accelerator:
         cpu=True,
         log_with=log_with,
         mixed_precision="no",
-        gradient_accumulation_steps=train.grad_accum_steps,
+        gradient_accumulation_plugin=_accumulation(train, train.grad_accum_steps),
         fsdp_plugin=plugin,
         kwargs_handlers=[process_group_kwargs(timeout_s)],
     )
@@ -455,6 +455,14 @@ def announcer(accelerator):
             accelerator.print(f"[lmpretrain] {line}")
 
     return say
+
+
+def _accumulation(train, accum: int):
+    """accelerate's accumulation: `accum` micro-batches per step; with train.sync_each_micro_batch (FSDP2) each
+    micro-batch's gradients are reduce-scattered into the shards, none kept unsharded until the last."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    return GradientAccumulationPlugin(num_steps=accum, sync_each_batch=train.sync_each_micro_batch)
 
 
 def exit_after(run: Callable[[], object]) -> NoReturn:

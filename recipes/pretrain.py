@@ -184,10 +184,10 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
             model_config, cfg.model.pretrained, cfg.train.param_dtype, cfg.model.trust_remote_code
         )
         lines = []
-        if cfg.model.mup:  # μP by width: init, logits, attention and (below) the optimizer's lr per group
-            lines.append(
-                mup.apply(model, cfg.model.mup.base_width, "head_dim" in cfg.model.overrides).describe()
-            )
+        if cfg.model.mup:  # μP by width (and depth): init, logits, attention, residual branches, lr per group
+            m = cfg.model.mup
+            fixed = "head_dim" in cfg.model.overrides
+            lines.append(mup.apply(model, m.base_width, fixed, m.depth, m.base_depth).describe())
         lines += objective.install(model)  # the loss runs inside the model's forward (FSDP2 needs it)
         return model, lines
 

@@ -1,12 +1,14 @@
-"""Sweep one config field (the lr by default) over values and widths: each (width, value) a run of the recipe,
-as parallel processes on this machine or as a SLURM array job; then each run's final held-out loss (read by
-the run-comparison code) as a table, the best value per width, and a loss-vs-value plot per width.
+"""Sweep one config field (the lr by default) over values, widths and depths: each (width, depth, value) a run of
+the recipe, as parallel processes on this machine or as a SLURM array job; then each run's final held-out loss
+(read by the run-comparison code) as a table, the best value per model shape, and a loss-vs-value plot with a
+line per shape.
 
     python scripts/sweep.py configs/default.yaml --values 1e-3,2e-3,4e-3,8e-3,1.6e-2 --widths 64,128,256 \\
         --out runs/sweep-adamw-mup --parallel 2 -- --model.mup.base_width=64 --train.max_steps=150
 
 Everything after `--` goes to every run. A width sets the model's hidden size, its MLP (8/3 x, rounded to 64)
-and heads of 32 (`model/mup.py: width_overrides`). Resumable: a run whose final/ exists is not redone, so
+and heads of 32 (`model/mup.py: width_overrides`); a depth (`--depths 2,4,8`) its num_hidden_layers (without
+`--depths`, the config's own). Resumable: a run whose final/ exists is not redone, so
 the same command after an interruption finishes the rest and then reports. `--slurm` writes
 `<out>/sweep.sbatch` (one array task per run, each `srun` of the same command line) and submits it with
 `sbatch`; run the command again without `--slurm` once the jobs are done to get the report."""
@@ -30,24 +32,41 @@ from lmpretrain.model.mup import width_overrides
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_dir(out: Path, width: int, field: str, value: str) -> Path:
-    return out / f"w{width}-{field.rsplit('.', 1)[-1]}{value}"
+Shape = tuple[int, int | None]  # (width, depth); depth None: the config's own number of layers
+
+
+def label(shape: Shape) -> str:
+    """The shape's key in sweep.json and its run directories' prefix: "64", or "64-d2" with a depth."""
+    width, depth = shape
+    return f"{width}" if depth is None else f"{width}-d{depth}"
+
+
+def describe(shape: Shape) -> str:
+    width, depth = shape
+    return f"width {width:5d}" if depth is None else f"width {width:5d}, depth {depth:2d}"
+
+
+def run_dir(out: Path, shape: Shape, field: str, value: str) -> Path:
+    return out / f"w{label(shape)}-{field.rsplit('.', 1)[-1]}{value}"
 
 
 def command(
-    config: str, width: int, field: str, value: str, out: Path, extra: list[str], launch: str
+    config: str, shape: Shape, field: str, value: str, out: Path, extra: list[str], launch: str
 ) -> list[str]:
-    widths = [f"--model.overrides.{k}={v}" for k, v in width_overrides(width).items()]
+    width, depth = shape
+    model = [f"--model.overrides.{k}={v}" for k, v in width_overrides(width).items()]
+    if depth is not None:
+        model.append(f"--model.overrides.num_hidden_layers={depth}")
     return [
         sys.executable, "-m", "lmpretrain.launch", "--config_file", launch, str(ROOT / "recipes" / "pretrain.py"),
-        config, *widths, f"--{field}={value}", f"--run.output_dir={run_dir(out, width, field, value)}",
+        config, *model, f"--{field}={value}", f"--run.output_dir={run_dir(out, shape, field, value)}",
         "--run.threads=1", "--logging.wandb_mode=disabled", "--eval.tasks=[]", "--eval.sample_tokens=0",
         "--checkpoint.every=0", *extra,
     ]  # fmt: skip
 
 
-def pending(runs: list[tuple[int, str]], out: Path, field: str) -> list[tuple[int, str]]:
-    return [(w, v) for w, v in runs if not (run_dir(out, w, field, v) / "final").exists()]
+def pending(runs: list[tuple[Shape, str]], out: Path, field: str) -> list[tuple[Shape, str]]:
+    return [(s, v) for s, v in runs if not (run_dir(out, s, field, v) / "final").exists()]
 
 
 def run_local(jobs: list[list[str]], logs: list[Path], parallel: int) -> list[Path]:
@@ -86,18 +105,18 @@ def submit_slurm(jobs: list[list[str]], logs: list[Path], out: Path) -> None:
     print(subprocess.run(["sbatch", str(script)], check=True, capture_output=True, text=True).stdout.strip())
 
 
-def report(out: Path, runs: list[tuple[int, str]], field: str) -> dict:
-    """{width: {value: final eval loss}} of the finished runs, printed with each width's best value."""
-    table: dict[int, dict[str, float]] = {}
-    for width, value in runs:
-        path = run_dir(out, width, field, value)
+def report(out: Path, runs: list[tuple[Shape, str]], field: str) -> dict:
+    """{shape: {value: final eval loss}} of the finished runs, printed with each shape's best value."""
+    table: dict[Shape, dict[str, float]] = {}
+    for shape, value in runs:
+        path = run_dir(out, shape, field, value)
         if (path / "final").exists():
-            table.setdefault(width, {})[value] = summarize(load_run(path))["final_eval_loss"]
-    for width, losses in sorted(table.items()):
+            table.setdefault(shape, {})[value] = summarize(load_run(path))["final_eval_loss"]
+    for shape, losses in table.items():
         best = min(losses, key=losses.get)
         cells = "  ".join(f"{v}: {loss:.4f}" for v, loss in losses.items())
-        print(f"width {width:5d}: {cells}  | best {field}={best} ({losses[best]:.4f})")
-    (out / "sweep.json").write_text(json.dumps({str(w): t for w, t in table.items()}, indent=1))
+        print(f"{describe(shape)}: {cells}  | best {field}={best} ({losses[best]:.4f})")
+    (out / "sweep.json").write_text(json.dumps({label(s): t for s, t in table.items()}, indent=1))
     return table
 
 
@@ -108,9 +127,14 @@ def plot(table: dict, field: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for width, losses in sorted(table.items()):
+    for shape, losses in table.items():
         xs = sorted(losses, key=float)
-        ax.plot([float(x) for x in xs], [losses[x] for x in xs], marker="o", label=f"width {width}")
+        ax.plot(
+            [float(x) for x in xs],
+            [losses[x] for x in xs],
+            marker="o",
+            label=" ".join(describe(shape).split()),
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel(field)
     ax.set_ylabel("final held-out loss")
@@ -130,6 +154,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--field", default="optim.lr")
     parser.add_argument("--values", required=True, help="comma-separated")
     parser.add_argument("--widths", default="64,128,256")
+    parser.add_argument("--depths", help="comma-separated num_hidden_layers (default: the config's own)")
     parser.add_argument("--out", required=True)
     parser.add_argument(
         "--parallel", type=int, default=os.cpu_count() or 1, help="runs at once (one thread each)"
@@ -141,10 +166,14 @@ def main(argv: list[str]) -> int:
     values = args.values.split(",")
     if any(not math.isfinite(float(v)) for v in values):
         parser.error(f"--values={args.values}: every value must be a number")
-    runs = list(itertools.product([int(w) for w in args.widths.split(",")], values))
+    depths = sorted(int(d) for d in args.depths.split(",")) if args.depths else [None]
+    if any(d is not None and d < 1 for d in depths):
+        parser.error(f"--depths={args.depths}: every depth must be a number of layers >= 1")
+    shapes = list(itertools.product(sorted(int(w) for w in args.widths.split(",")), depths))
+    runs = list(itertools.product(shapes, values))
     todo = pending(runs, out, args.field)
-    jobs = [command(args.config, w, args.field, v, out, extra, args.launch) for w, v in todo]
-    logs = [run_dir(out, w, args.field, v) / "sweep.log" for w, v in todo]
+    jobs = [command(args.config, s, args.field, v, out, extra, args.launch) for s, v in todo]
+    logs = [run_dir(out, s, args.field, v) / "sweep.log" for s, v in todo]
     print(
         f"[sweep] {len(runs)} runs, {len(runs) - len(todo)} already finished, {len(todo)} to run", flush=True
     )

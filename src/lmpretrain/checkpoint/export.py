@@ -44,7 +44,7 @@ def export_pretrained(model, tokenizer, path, accelerator) -> Path:
     path = Path(path)
     inner = accelerator.unwrap_model(model)
     left_out = auxiliary_prefixes(inner)
-    folded = mup.of(inner)  # μP's logit and attention multipliers, folded into plain weights
+    folded = mup.of(inner)  # μP's logit, attention and residual-branch multipliers, folded into plain weights
     if type(model).__name__ == "DeepSpeedEngine":
         # ZeRO-1/2 ranks hold whole weights; the module saves its own (keeping tied embeddings tied).
         weights = None

@@ -148,6 +148,18 @@ def to_empty_tied(model: nn.Module, device) -> None:
             setattr(model.get_submodule(owner), attr, first[key])
 
 
+def _group_names(optimizer, names: dict[int, str]) -> list[list[str]]:
+    """The names of each optimizer group's parameters (`names`: `_tensors` of the model), to find them again
+    once the model's parameters are replaced (sharded, or given memory)."""
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _point_at(optimizer, groups: list[list[str]], by_name: dict[str, torch.Tensor]) -> None:
+    """Each optimizer group at the model's new parameters of the names `_group_names` kept."""
+    for group, group_names in zip(optimizer.param_groups, groups, strict=True):
+        group["params"] = [by_name[n] for n in group_names]
+
+
 def zeroed_host_copy(module: nn.Module) -> nn.Module:
     """A copy of `module` on the CPU with every parameter zero, for a probe of what the module computes: the
     model's own may be on the meta device, and a probe must not change its weights."""
@@ -214,9 +226,8 @@ class ModelInit:
                 if not torch.equal(torch.get_rng_state(), self.rng_state):
                     problems.append("random numbers were drawn on the host during the build")
                 why = f"its init cannot be replayed on shards: {problems[0]}" if problems else None
-            except (
-                UserError
-            ):  # the config's problem, found on meta as on the host: no host build to find it again
+            # the config's problem, found on meta as on the host: no host build to find it again
+            except UserError:
                 raise
             except Exception as err:  # noqa: BLE001 - the host build below raises it again if it is the config's
                 why = f"its build does not run on the meta device ({type(err).__name__}: {err})"
@@ -232,7 +243,7 @@ class ModelInit:
 
     def _build_for_rank_zeros_weights(self, make, start: float):
         """A rank other than 0 under DDP/DeepSpeed: its build on meta (the host build where it does not run
-        there), then rank 0's generator state, which rank 0's host build left (see `rank_zeros_generator`)."""
+        there); rank 0's generator state, which rank 0's host build left, is taken in `_take_rank_zeros`."""
         try:
             with torch.device("meta"):
                 built = make()
@@ -279,15 +290,14 @@ class ModelInit:
 
         start = time.perf_counter()
         names = _tensors(model)
-        groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        groups = _group_names(optimizer, names)
         plugin = accelerator.state.fsdp_plugin
         plugin.cpu_ram_efficient_loading = False  # nothing to broadcast: every rank fills its own shards
         model = fsdp2_prepare_model(accelerator, model)
         to_empty_tied(model, accelerator.device)
         by_name = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
         held = self._replay({name: by_name[name] for name in set(names.values())}, names)
-        for group, group_names in zip(optimizer.param_groups, groups, strict=True):
-            group["params"] = [by_name[n] for n in group_names]
+        _point_at(optimizer, groups, by_name)
         total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         return [
             f"model init: on meta, this rank filled its own shards ({held:,} of {total:,} parameters) in "
@@ -302,12 +312,9 @@ class ModelInit:
         import torch.distributed as dist
 
         if any(p.is_meta for p in model.parameters()):
-            names = _tensors(model)
-            groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+            groups = _group_names(optimizer, _tensors(model))
             to_empty_tied(model, accelerator.device)
-            by_name = dict(model.named_parameters(remove_duplicate=False))
-            for group, group_names in zip(optimizer.param_groups, groups, strict=True):
-                group["params"] = [by_name[n] for n in group_names]
+            _point_at(optimizer, groups, dict(model.named_parameters(remove_duplicate=False)))
         for _, buffer in sorted(model.named_buffers(), key=lambda named: named[0]):  # one order on every rank
             sent = buffer.to(accelerator.device)
             dist.broadcast(sent, src=0)

@@ -92,6 +92,8 @@ def _fitting(cfg, model_config, launch: Layout, gpu, rows: int, budget: float):
     """(micro, accum, step, sync_each) at the largest micro-batch that fits `budget` and divides `rows`, or
     None; under FSDP2, where one row per micro-batch fits only without the unsharded gradients accumulation
     keeps, with train.sync_each_micro_batch (sync_each True)."""
+    # Not planner.largest_micro_batch's exact search (which imports this module): a divisor of the rows near
+    # the line's guess, a few simulations per option, is enough to price an option.
 
     def at(micro: int, sync_each: bool):  # `rows` rows per rank in micro-batches of `micro`, as a run does
         train = dataclasses.replace(

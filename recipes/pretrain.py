@@ -45,6 +45,7 @@ from lmpretrain.model import (
     parameter_counts,
     precompute_fp8_scales,
     prepare_model,
+    refuse_unfound_embedding,
     weighted_sum,
 )
 from lmpretrain.observe import (
@@ -183,6 +184,7 @@ def train(cfg, cleanup: ExitStack, objective_class=LMObjective, recipe: Path = P
         model = build_model(
             model_config, cfg.model.pretrained, cfg.train.param_dtype, cfg.model.trust_remote_code
         )
+        refuse_unfound_embedding(model, cfg, info.layout)  # FSDP2 and μP find it by get_input_embeddings()
         lines = []
         if cfg.model.mup:  # μP by width (and depth): init, logits, attention, residual branches, lr per group
             m = cfg.model.mup

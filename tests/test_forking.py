@@ -17,7 +17,14 @@ import recipe_runner as rr
 from lmpretrain.config import load_config
 from lmpretrain.data import TrainStream, load_tokenizer
 from lmpretrain.errors import ConfigError
-from lmpretrain.model import build_model, build_model_config, make_labels
+from lmpretrain.layout import Layout
+from lmpretrain.model import (
+    build_model,
+    build_model_config,
+    import_model_modules,
+    make_labels,
+    refuse_unfound_embedding,
+)
 
 FORKS = Path(__file__).parent / "forks"
 sys.path.insert(0, str(FORKS))
@@ -187,6 +194,30 @@ def test_a_missing_piece_of_the_model_contract_is_named_before_any_work(tmp_path
     assert run.returncode == 2
     assert "TinyBlockForCausalLM.supports_gradient_checkpointing is not true" in run.output
     assert "parameters; optimizer groups" not in run.output  # refused before the model was built
+
+
+def test_fsdp2_and_mup_refuse_a_model_whose_input_embedding_transformers_cannot_find(tmp_path, monkeypatch):
+    """accelerate's FSDP2 wrapping and μP ask get_input_embeddings(), which finds only `embed_tokens` (or the
+    class's _input_embed_layer): tinyblock names its `embed`; without that, both are refused by name."""
+    cfg = load_config([str(tinyblock_config(tmp_path))])
+    import_model_modules(cfg.model)
+    model = build_model(build_model_config(cfg.model))
+    fsdp2, ddp = Layout(kind="fsdp2", num_processes=2), Layout(kind="ddp", num_processes=2)
+    refuse_unfound_embedding(model, cfg, fsdp2)
+    assert model.get_input_embeddings() is model.model.embed
+    monkeypatch.delattr(type(model).__mro__[1], "_input_embed_layer")  # TinyBlockPreTrainedModel's
+    refuse_unfound_embedding(model, cfg, ddp)  # DDP without μP never asks
+    with pytest.raises(ConfigError) as refused:
+        refuse_unfound_embedding(model, cfg, fsdp2)
+    assert (
+        "TinyBlockForCausalLM.get_input_embeddings() does not find the input embedding, which FSDP2"
+        in str(refused.value)
+    )
+    assert "set _input_embed_layer = '<its attribute name>'" in str(refused.value)
+    with pytest.raises(ConfigError, match=r"which model\.mup \(the embedding keeps its init and lr\) needs"):
+        refuse_unfound_embedding(
+            model, load_config([str(tinyblock_config(tmp_path)), "--model.mup.base_width=32"]), ddp
+        )
 
 
 # ---- a data fork: a transform named in data.transforms -------------------------------------------------------

@@ -2,7 +2,13 @@
 experts' routing, speed switches, mixed precision."""
 
 from lmpretrain.model import mup
-from lmpretrain.model.build import build_model, build_model_config, import_model_modules, parameter_counts
+from lmpretrain.model.build import (
+    build_model,
+    build_model_config,
+    import_model_modules,
+    parameter_counts,
+    refuse_unfound_embedding,
+)
 from lmpretrain.model.fp8 import precompute_fp8_scales
 from lmpretrain.model.loss import IGNORE_INDEX, LossSums, count_targets, logits_loss_sums, make_labels
 from lmpretrain.model.meta_init import ModelInit
@@ -22,6 +28,7 @@ __all__ = [
     "ModelInit",
     "Term",
     "build_model",
+    "refuse_unfound_embedding",
     "build_model_config",
     "check_sharded_precision",
     "compile_seconds",

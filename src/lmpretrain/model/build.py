@@ -130,6 +130,36 @@ def contract_problems(cfg, model_class: type | None, layout: Layout) -> list[str
     return p
 
 
+def refuse_unfound_embedding(model, cfg, layout: Layout) -> None:
+    """Raise (ConfigError) where FSDP2 or μP need the built model's input embedding and transformers'
+    `get_input_embeddings()` cannot find it: it looks for `embed_tokens` (or the class's `_input_embed_layer`)
+    on the model and its base model and raises NotImplementedError for any other name, which accelerate's
+    FSDP2 wrapping would meet only after the build, inside its own code."""
+    users = [
+        why
+        for on, why in (
+            (layout.kind == "fsdp2", "FSDP2 (accelerate shards the embedding as a unit of its own)"),
+            (cfg.model.mup, "model.mup (the embedding keeps its init and lr)"),
+        )
+        if on
+    ]
+    if not users:
+        return
+    try:
+        found = isinstance(model.get_input_embeddings(), nn.Module)
+    except NotImplementedError:
+        found = False
+    if not found:
+        name = type(model).__name__
+        raise ConfigError(
+            [
+                f"{name}.get_input_embeddings() does not find the input embedding, which {' and '.join(users)} "
+                f"needs: set _input_embed_layer = '<its attribute name>' on the class (transformers looks on the "
+                f"model and its base model) or define get_input_embeddings() (docs/models.md)"
+            ]
+        )
+
+
 def _refuse_unknown_overrides(config: PretrainedConfig, keys) -> None:
     """Raise naming each of ``keys`` that is not a field of ``config`` (AutoConfig would ignore it)."""
     known = set(config.to_dict()) | set(getattr(config, "attribute_map", {})) | _optional_fields(config)

@@ -58,9 +58,7 @@ class TinyBlockPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["TinyBlockLayer"]  # the repeated block: FSDP wraps it, train.compile compiles it
     supports_gradient_checkpointing = False  # train.activation_checkpointing=true is refused at start-up
     _supports_sdpa = True
-    _input_embed_layer = (
-        "embed"  # get_input_embeddings() finds it (FSDP2 and μP ask), as it would embed_tokens
-    )
+    _input_embed_layer = "embed"  # get_input_embeddings() finds it (FSDP2 and μP ask it)
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):

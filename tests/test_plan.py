@@ -187,7 +187,8 @@ def test_cuda_preflight_verdict_names_the_micro_batch_that_fits():
 def test_hsdp_collectives_are_timed_on_the_links_their_groups_span():
     """64 H100s as 8 replica groups x 8 shards: the shard group's all-gathers, reduce-scatters and Muon's
     all-to-alls on NVLink, the gradient all-reduce (overlapped) and Muon's replica all-gather across machines;
-    the same bytes under FSDP2 over the 64 ranks all cross machines."""
+    the same bytes under FSDP2 over the 64 ranks all cross machines, over each machine's 8 NICs (a ring per NIC),
+    where a replica group has one rank on each machine: one NIC."""
     gpu = load_gpu("h100")
     comm = {"all_gather": 8e9, "reduce_scatter": 4e9, "all_reduce": 1e9, "muon": 3e9}
     step = Step(1, 2e9, 1, 1, 1, 1, {"forward": 0.0}, comm, {"all_to_all": 2e9, "all_gather": 1e9})
@@ -199,7 +200,10 @@ def test_hsdp_collectives_are_timed_on_the_links_their_groups_span():
          "muon": 2e9 / nvlink + 1e9 / inter}
     )  # fmt: skip
     assert hsdp.exposed_comm_s == pytest.approx(hsdp.comm_s["muon"])  # the all-reduce is the gradients'
-    assert fsdp.comm_s == pytest.approx({kind: value / inter for kind, value in comm.items()})
+    eight_nics = min(gpu.intra_node_gbps, 8 * gpu.inter_node_gbps) * 1e9 * COMM_FRACTION
+    assert eight_nics == pytest.approx(320e9)  # 8 x 50 GB/s, below NVLink's 450, at 0.8
+    assert fsdp.comm_s == pytest.approx({kind: value / eight_nics for kind, value in comm.items()})
+    assert fsdp.link == "inter-node 320 GB/s effective (8 NICs a machine)"
     assert "in each shard group of 8" in hsdp.link and "across the replica groups" in hsdp.link
     # one machine: every group on NVLink, and the link said once
     assert (
@@ -211,7 +215,7 @@ def test_hsdp_collectives_are_timed_on_the_links_their_groups_span():
 def test_ddp_overlaps_its_all_reduce_at_any_world_size_and_links_follow_the_machines():
     """DDP's (and ZeRO's) gradient all-reduce overlaps the backward at 2 ranks as at 8; FSDP2's all-reduce (the
     gradient norm) is exposed. A group within one machine is timed on NVLink, one that spans machines
-    (--num_machines) on the NIC, whatever the world size."""
+    (--num_machines) on the NICs of its ranks on each machine, whatever the world size."""
     gpu = load_gpu("h100")
     nvlink, inter = (n * 1e9 * COMM_FRACTION for n in (gpu.intra_node_gbps, gpu.inter_node_gbps))
     step = Step(1, 4e9, 1, 1, 1, 1, {"forward": 0.0}, {"all_reduce": 4e9})
@@ -222,8 +226,8 @@ def test_ddp_overlaps_its_all_reduce_at_any_world_size_and_links_follow_the_mach
     assert step_time(step, gpu, Layout("deepspeed", 2, zero_stage=2), 1).exposed_comm_s == 0
     assert step_time(step, gpu, Layout("fsdp2", 2), 1).exposed_comm_s == pytest.approx(4e9 / nvlink)
     across = step_time(step, gpu, Layout("ddp", 8, num_machines=2), 1)  # 4 GPUs on each of 2 machines
-    assert across.comm_s == {"all_reduce": pytest.approx(4e9 / inter)} and across.link.startswith(
-        "inter-node 40 GB/s"
+    assert across.comm_s == {"all_reduce": pytest.approx(4e9 / (4 * inter))} and across.link == (
+        "inter-node 160 GB/s effective (4 NICs a machine)"
     )
     assert step_time(step, gpu, Layout("ddp", 8), 1).link.startswith("NVLink/intra-node 360 GB/s")
     # HSDP's replica groups (ranks 4 apart) span the 2 machines; its shard groups of 4 stay in one
@@ -251,15 +255,18 @@ def test_muon_spread_auto_is_decided_on_the_target_gpus_roofline():
     assert (one_machine.flops, one_machine.bandwidth) == pytest.approx(
         (989.4e12 * 0.5, 450e9 * 0.8)
     )  # 1,374 / B
-    assert (two.flops, two.bandwidth) == pytest.approx((989.4e12 * 0.5, 50e9 * 0.8))  # 12,368 FLOP per byte
+    assert (two.flops, two.bandwidth) == pytest.approx((989.4e12 * 0.5, 8 * 50e9 * 0.8))  # 8 NICs a machine
     assert spread_decision(params, groups, 8, False, cpu, rates=CPU_RATES).ranks
     assert spread_decision(params, groups, 8, False, cpu, rates=one_machine).ranks
-    not_spread = spread_decision(params, groups, 16, False, cpu, rates=two)
-    assert (
-        not not_spread.ranks and "h100's bf16 peak x 0.5 and inter-node 40 GB/s effective" in not_spread.where
+    assert spread_decision(params, groups, 16, False, cpu, rates=two).ranks  # 1,546 FLOP per byte
+    # HSDP 2 x 8 on 2 machines: the replica all-gather (ranks 8 apart, one on each machine) crosses machines on
+    # one NIC (12,368 FLOP per byte: not spread); 2 x 4 on one machine stays on NVLink
+    replicas = spread_rates(cpu, Layout("fsdp2", 16, 2, replicas=2), h100)
+    assert replicas.bandwidth == pytest.approx(40e9)
+    not_spread = spread_decision(params, groups, 16, False, cpu, rates=replicas)
+    assert not not_spread.ranks and (
+        "h100's bf16 peak x 0.5 and inter-node 40 GB/s effective (1 NIC a machine)" in not_spread.where
     )
-    # HSDP 2 x 8 on 2 machines: the replica all-gather (ranks 8 apart) crosses machines; 2 x 4 on one does not
-    assert spread_rates(cpu, Layout("fsdp2", 16, 2, replicas=2), h100).bandwidth == pytest.approx(40e9)
     assert spread_rates(cpu, Layout("fsdp2", 8, 1, replicas=2), h100).bandwidth == pytest.approx(360e9)
     # The plan of a DDP Muon run on 2 H100s: its small matrices (smoke.yaml, 64 wide: 380 FLOP per byte) spread on
     # this CPU (the recipe's real 2-rank gloo run moves Muon's all-gather, docs/planning.md) but not on the GPU

@@ -49,14 +49,24 @@ class GPU:
         tflops = getattr(self, f"{dtype}_tflops")
         return tflops * 1e12 if tflops else None
 
-    def link_bytes_per_s(self, spans_machines: bool) -> float:
-        """What a collective reaches on the link its group uses (NVLink within a machine, the NIC across)."""
-        gbps = self.inter_node_gbps if spans_machines else self.intra_node_gbps
+    def link_bytes_per_s(self, spans_machines: bool, members_per_machine: int = 1) -> float:
+        """What a ring collective's bus bandwidth reaches on the links its group uses: NVLink within a machine;
+        across machines, NCCL runs one ring (channel) per NIC it can use, each member's own, so a group with k
+        members on each machine moves k NICs' worth between machines (at most its NVLink's: every ring passes
+        through each member). nccl-tests across 8-GPU H100 machines with a NIC per GPU report 400-450 GB/s of
+        all-reduce bus bandwidth, not one NIC's 50."""
+        if spans_machines:
+            gbps = min(self.intra_node_gbps, members_per_machine * self.inter_node_gbps)
+        else:
+            gbps = self.intra_node_gbps
         return gbps * 1e9 * COMM_FRACTION
 
-    def link_name(self, spans_machines: bool) -> str:
-        link = "inter-node" if spans_machines else "NVLink/intra-node"
-        return f"{link} {self.link_bytes_per_s(spans_machines) / 1e9:.0f} GB/s effective"
+    def link_name(self, spans_machines: bool, members_per_machine: int = 1) -> str:
+        rate = self.link_bytes_per_s(spans_machines, members_per_machine) / 1e9
+        if not spans_machines:
+            return f"NVLink/intra-node {rate:.0f} GB/s effective"
+        nics = f"{members_per_machine} NICs" if members_per_machine > 1 else "1 NIC"
+        return f"inter-node {rate:.0f} GB/s effective ({nics} a machine)"
 
 
 # A GPU the table does not name: round figures of a current datacenter GPU (0.5 x 800 TFLOP/s of bf16 matmuls,

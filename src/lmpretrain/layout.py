@@ -79,6 +79,11 @@ class Layout:
         `shards` apart, the whole world `num_processes` consecutive ones."""
         return (size - 1) * stride >= self.ranks_per_machine
 
+    def members_per_machine(self, size: int, stride: int = 1) -> int:
+        """How many ranks of such a group share rank 0's machine: all of a group within one machine, one of
+        HSDP's replica groups when its shard groups fill machines."""
+        return min(size, -(-self.ranks_per_machine // stride))
+
     def describe(self) -> str:
         """The start-up line's `sharding=` words (tests and users read them)."""
         if self.kind == "deepspeed":

@@ -43,22 +43,31 @@ def hbm_bytes(step, accum: int) -> float:
 
 
 def step_time(step, gpu: GPU, layout: Layout, accum: int, dtype: str = "bf16") -> Timing:
-    """Each collective at the link its group spans on `layout`'s machines: under HSDP the all-gathers,
+    """Each collective at the links its group spans on `layout`'s machines (across machines, as many NICs as
+    the group has members on each: GPU.link_bytes_per_s): under HSDP the all-gathers,
     reduce-scatters and Muon's all-to-alls stay in a shard group and the gradient all-reduce and Muon's
     all-gather cross a replica group; `dtype`: the matmuls' (gpus.DTYPES), whose peak times the compute."""
     executed = sum(step.flops.values())
     compute = executed / (gpu.peak_flops(dtype) * MATMUL_FRACTION)
     hbm = hbm_bytes(step, accum) / (gpu.hbm_gbps * 1e9 * HBM_FRACTION)
-    spans = layout.spans_machines(layout.num_processes)
-    bandwidth, link = gpu.link_bytes_per_s(spans), gpu.link_name(spans)
+
+    def on_links(size: int, stride: int = 1) -> tuple[float, str]:  # a ring group's rate and its words
+        spans, members = layout.spans_machines(size, stride), layout.members_per_machine(size, stride)
+        return gpu.link_bytes_per_s(spans, members), gpu.link_name(spans, members)
+
+    bandwidth, link = on_links(layout.num_processes)
     per_kind = dict.fromkeys(step.comm, bandwidth)
     if layout.hsdp:
-        in_group = layout.spans_machines(layout.shards)
-        across = gpu.link_bytes_per_s(layout.spans_machines(layout.replicas, layout.shards))
-        per_kind |= dict.fromkeys(("all_gather", "reduce_scatter"), gpu.link_bytes_per_s(in_group))
+        (in_group, in_words), (across, across_words) = (
+            on_links(layout.shards),
+            on_links(layout.replicas, layout.shards),
+        )
+        per_kind |= dict.fromkeys(("all_gather", "reduce_scatter"), in_group)
         per_kind["all_reduce"] = across
-        if in_group != spans:
-            link = f"{gpu.link_name(in_group)} in each shard group of {layout.shards}, {link} across the replica groups"
+        if layout.spans_machines(layout.num_processes):
+            link = (
+                f"{in_words} in each shard group of {layout.shards}, {across_words} across the replica groups"
+            )
     comm = {kind: value / per_kind[kind] for kind, value in step.comm.items() if value}
     if layout.hsdp and comm.get(
         "muon"
@@ -66,6 +75,7 @@ def step_time(step, gpu: GPU, layout: Layout, accum: int, dtype: str = "bf16") -
         links = {k: per_kind["all_gather"] if k == "all_to_all" else across for k in step.muon_comm}
         comm["muon"] = sum(v / links[k] for k, v in step.muon_comm.items())
     if layout.experts > 1:  # the tokens' all-to-alls stay in an ep group: ep consecutive ranks
+        # not a ring: each member's tokens for other machines leave through its own NIC
         per_kind["all_to_all"] = gpu.link_bytes_per_s(layout.spans_machines(layout.experts))
         comm["all_to_all"] = step.comm.get("all_to_all", 0.0) / per_kind["all_to_all"]
     # The step's all-reduce is the gradients' where ranks replicate them (DDP's buckets, ZeRO's, HSDP's over the

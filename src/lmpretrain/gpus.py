@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from lmpretrain.layout import Layout
+
 TABLE = Path(__file__).with_name("gpus.yaml")
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")  # the matmul dtypes a peak is given for
 MATMUL_FRACTION = 0.5
@@ -67,6 +69,11 @@ class GPU:
             return f"NVLink/intra-node {rate:.0f} GB/s effective"
         nics = f"{members_per_machine} NICs" if members_per_machine > 1 else "1 NIC"
         return f"inter-node {rate:.0f} GB/s effective ({nics} a machine)"
+
+    def group_link(self, layout: Layout, size: int, stride: int = 1) -> tuple[float, str]:
+        """The rate and the words of a ring group of `size` ranks `stride` apart on `layout`'s machines."""
+        spans, members = layout.spans_machines(size, stride), layout.members_per_machine(size, stride)
+        return self.link_bytes_per_s(spans, members), self.link_name(spans, members)
 
 
 # A GPU the table does not name: round figures of a current datacenter GPU (0.5 x 800 TFLOP/s of bf16 matmuls,

@@ -28,7 +28,6 @@ __all__ = [
     "ModelInit",
     "Term",
     "build_model",
-    "refuse_unfound_embedding",
     "build_model_config",
     "check_sharded_precision",
     "compile_seconds",
@@ -40,5 +39,6 @@ __all__ = [
     "parameter_counts",
     "precompute_fp8_scales",
     "prepare_model",
+    "refuse_unfound_embedding",
     "weighted_sum",
 ]

@@ -50,18 +50,11 @@ def step_time(step, gpu: GPU, layout: Layout, accum: int, dtype: str = "bf16") -
     executed = sum(step.flops.values())
     compute = executed / (gpu.peak_flops(dtype) * MATMUL_FRACTION)
     hbm = hbm_bytes(step, accum) / (gpu.hbm_gbps * 1e9 * HBM_FRACTION)
-
-    def on_links(size: int, stride: int = 1) -> tuple[float, str]:  # a ring group's rate and its words
-        spans, members = layout.spans_machines(size, stride), layout.members_per_machine(size, stride)
-        return gpu.link_bytes_per_s(spans, members), gpu.link_name(spans, members)
-
-    bandwidth, link = on_links(layout.num_processes)
+    bandwidth, link = gpu.group_link(layout, layout.num_processes)
     per_kind = dict.fromkeys(step.comm, bandwidth)
     if layout.hsdp:
-        (in_group, in_words), (across, across_words) = (
-            on_links(layout.shards),
-            on_links(layout.replicas, layout.shards),
-        )
+        in_group, in_words = gpu.group_link(layout, layout.shards)
+        across, across_words = gpu.group_link(layout, layout.replicas, layout.shards)
         per_kind |= dict.fromkeys(("all_gather", "reduce_scatter"), in_group)
         per_kind["all_reduce"] = across
         if layout.spans_machines(layout.num_processes):

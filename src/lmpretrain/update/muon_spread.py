@@ -61,15 +61,15 @@ def spread_rates(device: torch.device, layout: Layout | None = None, gpu: GPU | 
         ) or UNKNOWN
     layout = layout or Layout()
     size, stride = (layout.replicas, layout.shards) if layout.hsdp else (layout.num_processes, 1)
-    spans, members = layout.spans_machines(size, stride), layout.members_per_machine(size, stride)
     # Newton-Schulz runs in bf16 on GPUs (optim.muon_ns_dtype=auto); fp16's peak where the GPU has no bf16
     dtype = next((d for d in ("bf16", "fp16") if gpu.peak_flops(d)), None)
     if dtype is None:
         gpu, dtype = UNKNOWN, "bf16"
+    bandwidth, link = gpu.group_link(layout, size, stride)
     return SpreadRates(
         gpu.peak_flops(dtype) * MATMUL_FRACTION,
-        gpu.link_bytes_per_s(spans, members),
-        f"{gpu.key}'s {dtype} peak x {MATMUL_FRACTION} and {gpu.link_name(spans, members)}",
+        bandwidth,
+        f"{gpu.key}'s {dtype} peak x {MATMUL_FRACTION} and {link}",
     )
 
 
